@@ -1,0 +1,131 @@
+"""Page allocator for the KV pool.
+
+Works in pages; callers speak in token slots. With page_size P, a request's
+positions [0, seq_len) occupy ceil(seq_len / P) pages, and position `p` sits at
+slot `page * P + p % P`. Extending a request first fills the free tail of its
+last page, then takes whole new pages:
+
+    prefix_len = 5, extend_len = 6, P = 4
+    positions : 0 1 2 3 | 4 5 6 7 | 8 9 10 11
+    owned     : [page a] | [b: 4 used, 5..7 free tail]
+    new slots : b*4+1, b*4+2, b*4+3 (tail) | c*4+0, c*4+1, c*4+2 (new page c)
+
+Frees may be batched with free_group_begin/free_group_end so that retiring a
+whole batch costs one tensor op instead of one per request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, device: torch.device | str) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = device
+        # Page 0 is reserved (see memory_pool.py), so it is neither free nor in use.
+        self.capacity_pages = num_pages - 1
+        self._allocated = torch.zeros(num_pages, dtype=torch.bool)
+        self._free_pages = torch.arange(1, num_pages, dtype=torch.int64)
+        self._group: list[torch.Tensor] | None = None
+
+    # ---- queries ---------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free capacity in tokens."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    def pages_needed(self, prefix_len: int, extend_len: int) -> int:
+        """New pages to extend a request holding `prefix_len` tokens by `extend_len`."""
+        P = self.page_size
+        return -(-(prefix_len + extend_len) // P) - (-(-prefix_len // P))
+
+    # ---- allocation ------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._free_pages.numel():
+            return None
+        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        if bool(self._allocated[pages].any()):
+            raise RuntimeError("page allocator corrupted: handed out a page twice")
+        self._allocated[pages] = True
+        return pages
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for `num_tokens` tokens starting on a fresh page (a request with no prefix)."""
+        return self.alloc_extend([0], [num_tokens], [0])
+
+    def alloc_extend(
+        self, prefix_lens: list[int], extend_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for each request's new tokens, concatenated in request order.
+
+        `last_locs[i]` is the slot of request i's token at position prefix_len-1
+        (ignored when prefix_len is page-aligned). Returns None, allocating
+        nothing, if the pool cannot hold all of them.
+        """
+        P = self.page_size
+        need = [self.pages_needed(p, e) for p, e in zip(prefix_lens, extend_lens)]
+        pages = self.alloc_pages(sum(need))
+        if pages is None:
+            return None
+        out: list[torch.Tensor] = []
+        cursor = 0
+        for prefix, extend, last, n_new in zip(prefix_lens, extend_lens, last_locs, need):
+            tail = min((-prefix) % P, extend)  # free slots left in the last owned page
+            if tail:
+                out.append(torch.arange(last + 1, last + 1 + tail, dtype=torch.int64))
+            if n_new:
+                new = pages[cursor : cursor + n_new]
+                cursor += n_new
+                slots = (new[:, None] * P + torch.arange(P)[None, :]).flatten()
+                out.append(slots[: extend - tail])
+        if not out:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(out).to(self.device)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """One slot per request for the token at position seq_len-1 (seq_len counts it)."""
+        return self.alloc_extend([s - 1 for s in seq_lens], [1] * len(seq_lens), last_locs)
+
+    # ---- freeing ---------------------------------------------------------------------
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding `slots`. Callers pass whole pages' worth of slots
+        (a request's full span or a page-aligned suffix), never part of a shared page."""
+        if slots.numel() == 0:
+            return
+        if self._group is not None:
+            self._group.append(slots)
+            return
+        pages = torch.unique(slots.to("cpu", torch.int64) // self.page_size)
+        if bool((pages == 0).any()) or not bool(self._allocated[pages].all()):
+            raise RuntimeError("double free or free of a page that was never allocated")
+        self._allocated[pages] = False
+        self._free_pages = torch.cat([self._free_pages, pages])
+
+    def free_group_begin(self) -> None:
+        self._group = []
+
+    def free_group_end(self) -> None:
+        group, self._group = self._group, None
+        if group:
+            self.free(torch.cat(group))
+
+    # ---- integrity ---------------------------------------------------------------------
+    def check_integrity(self, in_use_pages: int | None = None) -> None:
+        """free + in use == total, with no page both free and allocated.
+
+        `in_use_pages`, when the owners (cache and running requests) can count
+        theirs, must equal the allocator's count: a mismatch is a leak."""
+        free = self._free_pages
+        assert free.numel() == torch.unique(free).numel(), "a page is on the free list twice"
+        assert not bool(self._allocated[free].any()), "a free page is marked allocated"
+        n_alloc = int(self._allocated.sum())
+        assert n_alloc + free.numel() == self.capacity_pages, (
+            f"pages lost: allocated {n_alloc} + free {free.numel()} != {self.capacity_pages}"
+        )
+        if in_use_pages is not None:
+            assert n_alloc == in_use_pages, f"owners hold {in_use_pages} pages, allocator has {n_alloc}"
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity_pages - int(self._free_pages.numel())

@@ -1,0 +1,53 @@
+"""The attention-backend contract.
+
+A backend computes causal attention for the new tokens of a ForwardBatch over
+each request's whole sequence, reading the cached prefix from the paged KV pool.
+
+Contract (tests/test_attention_contract.py runs it against every backend):
+- The caller has written `req_to_token[row, 0:seq_len]` for every request
+  before `init_forward_metadata`; positions >= seq_len are never read.
+- `init_forward_metadata(batch)` runs once per forward, before layer 0. It
+  plans index tables and kernels; it reads but never writes the KV pool.
+- `forward(q, k, v, layer, batch)` first stores this batch's `k`/`v` at
+  `batch.out_cache_loc` in layer `layer` (its one side effect), then returns
+  the attention output. Token t of request i attends to positions
+  [0, prefix_lens[i] + t] of request i and nothing else.
+- Shapes: q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads,
+  head_dim); output (num_tokens, num_heads * head_dim) in q's dtype.
+- EXTEND and MIXED batches go to `forward_extend`, DECODE to `forward_decode`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+class AttentionBackend(ABC):
+    def __init__(self, runner_ctx: object) -> None:
+        # runner_ctx exposes: req_to_token_pool, kv_pool, device, num_heads,
+        # num_kv_heads, head_dim, scaling, dtype, page_size.
+        self.ctx = runner_ctx
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if batch.mode == ForwardMode.DECODE:
+            return self.forward_decode(q, k, v, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)

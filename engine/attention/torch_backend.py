@@ -1,0 +1,111 @@
+"""Attention on CPU (or any device) with torch SDPA over gathered pages.
+
+Extend: one SDPA call per extend request. A request with no cached prefix
+attends over its own fresh k/v (no gather, plain causal mask). With a prefix,
+its K/V are gathered from the pool by `req_to_token` and the causal mask is
+aligned to the bottom-right:
+
+    q token j (position prefix+j) sees kv positions 0 .. prefix+j
+
+Decode: all decode requests in ONE batched SDPA call. Their KV slots are
+gathered into a padded (batch, max_len) table once per forward (shared by all
+layers); padding points at the reserved page 0 and is masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class _ExtendItem:
+    start: int  # first token of the request in the flattened batch
+    end: int
+    kv_index: torch.Tensor | None  # (seq_len,) slots, None when there is no prefix
+    mask: torch.Tensor | None  # (extend_len, seq_len) bool, None when plain causal
+
+
+@dataclass
+class _Metadata:
+    extends: list[_ExtendItem]
+    decode_start: int  # first decode token in the flattened batch
+    decode_index: torch.Tensor | None  # (num_decode, max_len) int64 slots
+    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_len) bool
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        table = self.ctx.req_to_token_pool.req_to_token
+        rows = batch.req_pool_indices
+        extends: list[_ExtendItem] = []
+        start = 0
+        for i in range(batch.num_extend_reqs):
+            prefix, seq = batch.prefix_lens_cpu[i], batch.seq_lens_cpu[i]
+            n = seq - prefix
+            item = _ExtendItem(start, start + n, None, None)
+            if prefix > 0:
+                item.kv_index = table[rows[i], :seq].to(torch.int64)
+                q_pos = torch.arange(prefix, seq, device=table.device)
+                item.mask = torch.arange(seq, device=table.device)[None, :] <= q_pos[:, None]
+            extends.append(item)
+            start += n
+        meta = _Metadata(extends, start, None, None)
+        n_dec = batch.batch_size - batch.num_extend_reqs
+        if n_dec:
+            dec_lens = batch.seq_lens[batch.num_extend_reqs :]
+            max_len = max(batch.seq_lens_cpu[batch.num_extend_reqs :])
+            cols = torch.arange(max_len, device=table.device)
+            valid = cols[None, :] < dec_lens[:, None]
+            index = table[rows[batch.num_extend_reqs :], :max_len].to(torch.int64)
+            meta.decode_index = torch.where(valid, index, 0)  # pad -> reserved page 0
+            meta.decode_mask = valid[:, None, None, :]
+        batch.attn_metadata = meta
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
+        self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self._store(k, v, layer, batch)
+        meta: _Metadata = batch.attn_metadata
+        out = torch.empty_like(q)
+        kbuf, vbuf = self.ctx.kv_pool.k_buffer(layer), self.ctx.kv_pool.v_buffer(layer)
+        for it in meta.extends:
+            qi = q[it.start : it.end].transpose(0, 1)  # (heads, n, dim)
+            if it.kv_index is None:
+                ki, vi = k[it.start : it.end], v[it.start : it.end]
+            else:
+                ki, vi = kbuf[it.kv_index], vbuf[it.kv_index]  # (seq, kv_heads, dim)
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype),
+                attn_mask=it.mask, is_causal=it.mask is None,
+                scale=self.ctx.scaling, enable_gqa=True,
+            )
+            out[it.start : it.end] = o.transpose(0, 1)
+        if meta.decode_index is not None:
+            s = meta.decode_start
+            out[s:] = self._decode(q[s:], layer, meta)
+        return out.flatten(1)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self._store(k, v, layer, batch)
+        return self._decode(q, layer, batch.attn_metadata).flatten(1)
+
+    def _decode(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:
+        kbuf, vbuf = self.ctx.kv_pool.k_buffer(layer), self.ctx.kv_pool.v_buffer(layer)
+        ki = kbuf[meta.decode_index].transpose(1, 2)  # (batch, kv_heads, max_len, dim)
+        vi = vbuf[meta.decode_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), ki.to(q.dtype), vi.to(q.dtype),  # q: (batch, heads, 1, dim)
+            attn_mask=meta.decode_mask, scale=self.ctx.scaling, enable_gqa=True,
+        )
+        return o.squeeze(2)  # (batch, heads, dim)

@@ -1,0 +1,117 @@
+"""Frozen configuration for the model runner.
+
+`ModelConfig` is read once from a HF `config.json` (ours or a real Qwen/Llama
+checkpoint) and carries only what the native model needs. `RunnerConfig` holds
+the memory and kernel knobs; its names follow SGLang's server args.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architectures the native model implements, with the features each turns on.
+_ARCH_FEATURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...]
+    hf_config: Any = field(repr=False, compare=False, hash=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(path))
+        arch = (hf.architectures or ["LlamaForCausalLM"])[0]
+        if arch not in _ARCH_FEATURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(_ARCH_FEATURES)}")
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported yet")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return cls(
+            path=str(path),
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=_ARCH_FEATURES[arch]["qkv_bias"] or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=_ARCH_FEATURES[arch]["qk_norm"],
+            torch_dtype=str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"),
+            eos_token_ids=_eos_ids(Path(path), hf.eos_token_id),
+            hf_config=hf,
+        )
+
+
+def _eos_ids(path: Path, config_eos: int | list[int] | None) -> tuple[int, ...]:
+    """EOS ids from config.json, widened by generation_config.json as HF `generate` does."""
+    ids: list[int] = []
+    sources: list[Any] = [config_eos]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for src in sources:
+        for i in src if isinstance(src, list) else [src]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Memory and kernel settings of one model runner (SGLang server-arg names)."""
+
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    page_size: int = 1
+    max_total_tokens: int | None = None  # KV pool size in tokens; None = from mem_fraction_static
+    mem_fraction_static: float = 0.5  # share of free device memory given to weights + KV pool
+    max_running_requests: int = 256
+    max_context_len: int | None = None  # None = model's max_position_embeddings
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")

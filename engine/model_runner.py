@@ -1,0 +1,106 @@
+"""ModelRunner: owns the weights, the two KV pools and the attention backend.
+
+It turns a ForwardBatch into logits and logits into sampled ids, and knows
+nothing about requests or scheduling; the scheduler drives it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.engine.attention import create_backend
+from tandem.engine.config import ModelConfig, RunnerConfig
+from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.models.loader import load_model
+from tandem.engine.sampler import SampleOutput, SamplingBatch, sample
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Upper bound for an automatically sized CPU pool; explicit max_total_tokens overrides it.
+_CPU_AUTO_MAX_TOKENS = 1 << 19
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bf16 pays off on CPUs with native bf16 (AVX512-BF16 / AMX); elsewhere fp32 is faster.
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, model_path: str | Path, config: RunnerConfig = RunnerConfig()) -> None:
+        self.config = config
+        self.model_config = mc = ModelConfig.from_pretrained(model_path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.page_size = config.page_size
+        self.max_context_len = config.max_context_len or mc.max_position_embeddings
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        self.scaling = mc.head_dim**-0.5
+        self.vocab_size = mc.vocab_size
+
+        self.model = load_model(mc, self.dtype, self.device, self.max_context_len)
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        self.kv_pool = TokenToKVPool(
+            self._num_pages(), self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )
+        self.attn_backend = create_backend(config.attention_backend, self)
+        log.info(
+            "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s",
+            mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
+            self.page_size, type(self.attn_backend).__name__,
+        )
+
+    def _num_pages(self) -> int:
+        mc, cfg = self.model_config, self.config
+        if cfg.max_total_tokens is not None:
+            tokens = cfg.max_total_tokens
+        else:
+            per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=self.dtype).element_size()
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = _available_memory_bytes(self.device) * cfg.mem_fraction_static - weights
+            tokens = max(int(budget // per_token), 4 * self.page_size)
+            if self.device.type == "cpu":
+                tokens = min(tokens, _CPU_AUTO_MAX_TOKENS)
+        return -(-tokens // self.page_size) + 1  # +1: the reserved page 0
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (batch, vocab) in fp32 for the last new token of each request."""
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch, self.attn_backend)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
+        return sample(logits, sb, positions)

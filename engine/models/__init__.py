@@ -1,0 +1,1 @@
+"""Native model definitions (no transformers modeling code at run time)."""

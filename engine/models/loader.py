@@ -1,0 +1,102 @@
+"""Load HF checkpoints (ours or real Qwen/Llama ones) into the native model.
+
+HF stores q/k/v and gate/up as separate tensors; the native model fuses them,
+so each checkpoint tensor is copied into a row range of a fused parameter:
+
+    qkv_proj rows:     [0, q_size) q | [q_size, q_size+kv_size) k | [.., +kv_size) v
+    gate_up_proj rows: [0, inter) gate | [inter, 2*inter) up
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tandem.engine.config import ModelConfig
+from tandem.engine.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# checkpoint suffix -> (fused native suffix, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
+    if files is None:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _shard_rows(cfg: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
+    if fused.endswith("qkv_proj"):
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    else:
+        sizes = [cfg.intermediate_size] * 2
+    start = sum(sizes[:shard])
+    return start, start + sizes[shard]
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+    cls = MODEL_REGISTRY[cfg.architecture]
+    with torch.device("meta"):
+        model = cls(cfg, max_positions)
+    model = model.to_empty(device="cpu")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for key, tensor in _checkpoint_tensors(Path(cfg.path)):
+        name = key.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        layer_prefix, _, suffix = name.rpartition(".")  # e.g. layers.0.self_attn.q_proj / weight
+        for src, (dst, shard) in _FUSED.items():
+            if layer_prefix.endswith(src):
+                target = f"{layer_prefix[: -len(src)]}{dst}.{suffix}"
+                lo, hi = _shard_rows(cfg, dst, shard)
+                params[target].data[lo:hi].copy_(tensor)
+                loaded.add(f"{target}#{shard}")
+                break
+        else:
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {key!r} has no place in {cls.__name__}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+    _check_complete(params, loaded)
+    # RoPE tables were created on meta; rebuild them for real.
+    model.rope.__init__(cfg.hf_config, cfg.head_dim, max_positions)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _check_complete(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            need = [f"{name}#{i}" for i in range(3)]
+        elif name.endswith("gate_up_proj.weight"):
+            need = [f"{name}#{i}" for i in range(2)]
+        else:
+            need = [name]
+        missing += [n for n in need if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,118 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, seeded.
+
+Only the chosen token ids (and logprobs when asked) leave the device.
+
+Seeded sampling uses the Gumbel-max trick with noise that is a pure hash of
+(request seed, output position, vocab index):
+
+    token = argmax_v( log p_filtered(v) + G(seed, pos, v) ),  G = -log(-log U)
+
+which draws exactly from p_filtered, needs no generator state, and gives the
+same token whether a step is replayed after retraction or run under overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one batch, as device tensors."""
+
+    temperatures: torch.Tensor  # (batch, 1) float; greedy rows hold 1.0
+    top_ps: torch.Tensor  # (batch, 1)
+    top_ks: torch.Tensor  # (batch, 1) int64; vocab size when unset
+    min_ps: torch.Tensor  # (batch, 1)
+    seeds: torch.Tensor  # (batch,) int64
+    greedy: torch.Tensor  # (batch,) bool
+    all_greedy: bool
+    need_sort: bool
+    top_logprobs_num: int  # max over rows; 0 = none
+    return_logprob: bool
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+    ) -> SamplingBatch:
+        greedy = [p.is_greedy for p in params]
+        f = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
+        return cls(
+            temperatures=f([1.0 if g else p.temperature for p, g in zip(params, greedy)]).view(-1, 1),
+            top_ps=f([p.top_p for p in params]).view(-1, 1),
+            top_ks=f([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64).view(-1, 1),
+            min_ps=f([p.min_p for p in params]).view(-1, 1),
+            seeds=f([p.seed for p in params], torch.int64),
+            greedy=f(greedy, torch.bool),
+            all_greedy=all(greedy),
+            need_sort=any(
+                not g and (p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0) for p, g in zip(params, greedy)
+            ),
+            top_logprobs_num=max((p.top_logprobs_num for p in params), default=0),
+            return_logprob=any(p.return_logprob for p in params),
+        )
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # (batch,) int64
+    logprobs: torch.Tensor | None = None  # (batch,) logprob of the chosen token
+    top_logprobs: torch.Tensor | None = None  # (batch, n)
+    top_ids: torch.Tensor | None = None  # (batch, n)
+
+
+def _gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(batch, vocab) Gumbel noise from a murmur3-style 32-bit hash; int64 math
+    wraps on overflow and the masks keep the low 32 bits, as uint32 would."""
+    key = (seeds * 0x9E3779B1 + positions * 0x85EBCA77) & _MASK32
+    col = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0xC2B2AE3D) & _MASK32
+    x = key[:, None] ^ col[None, :]
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    x = x ^ (x >> 16)
+    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+def _filtered_logprobs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    logp = torch.log_softmax(logits / sb.temperatures, dim=-1)
+    if not sb.need_sort:
+        return logp
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    rank = torch.arange(logp.shape[-1], device=logp.device)[None, :]
+    drop = rank >= sb.top_ks
+    drop |= (sorted_p.cumsum(-1) - sorted_p) > sb.top_ps  # keep the smallest set reaching top_p
+    drop |= sorted_p < sb.min_ps * sorted_p[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logp).scatter_(-1, order, sorted_logp)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
+    """logits: (batch, vocab) fp32; positions: (batch,) output index of the token drawn."""
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        ids = greedy_ids
+    else:
+        logp = _filtered_logprobs(logits, sb)
+        drawn = (logp + _gumbel(sb.seeds, positions, logits.shape[-1])).argmax(dim=-1)
+        ids = torch.where(sb.greedy, greedy_ids, drawn)
+    out = SampleOutput(next_token_ids=ids)
+    if sb.return_logprob or sb.top_logprobs_num:
+        # Logprobs are reported from the model's own distribution, before
+        # temperature and filtering, as OpenAI's API does.
+        raw = torch.log_softmax(logits, dim=-1)
+        out.logprobs = raw.gather(-1, ids[:, None]).squeeze(-1)
+        if sb.top_logprobs_num:
+            out.top_logprobs, out.top_ids = raw.topk(sb.top_logprobs_num, dim=-1)
+    return out
