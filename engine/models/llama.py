@@ -77,7 +77,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
+        with torch.device("cpu"):  # real tables even when the model is built on meta
+            self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:

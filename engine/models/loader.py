@@ -83,7 +83,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             params[name].data.copy_(tensor)
             loaded.add(name)
     _check_complete(params, loaded)
-    # RoPE tables were created on meta; rebuild them for real.
+    # to_empty() wiped the RoPE tables along with the parameters; rebuild them.
     model.rope.__init__(cfg.hf_config, cfg.head_dim, max_positions)
     return model.to(device=device, dtype=dtype).eval()
 

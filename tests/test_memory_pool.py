@@ -1,0 +1,101 @@
+"""Unit tests of the KV pools and the page allocator's index arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.allocator import PageAllocator
+from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+
+
+def test_alloc_extend_fills_tail_then_new_pages() -> None:
+    a = PageAllocator(num_pages=8, page_size=4, device="cpu")
+    first = a.alloc(5)  # pages p0 (4 slots) + 1 slot of p1
+    assert first.tolist()[:4] == list(range(first[0], first[0] + 4))
+    more = a.alloc_extend([5], [6], [int(first[-1])])
+    # 3 slots complete the second page, then 3 slots start a fresh page
+    assert more[:3].tolist() == [int(first[-1]) + 1 + i for i in range(3)]
+    assert more[3] % 4 == 0 and more[3:].tolist() == [int(more[3]) + i for i in range(3)]
+    assert a.used_pages == 3
+    a.check_integrity(in_use_pages=3)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_pages_needed_matches_allocation(page_size: int) -> None:
+    a = PageAllocator(num_pages=64, page_size=page_size, device="cpu")
+    for prefix in range(0, 20):
+        for extend in range(0, 20):
+            want = -(-(prefix + extend) // page_size) - (-(-prefix // page_size))
+            assert a.pages_needed(prefix, extend) == want
+
+
+def test_alloc_decode_crosses_page_boundary_only_when_needed() -> None:
+    a = PageAllocator(num_pages=8, page_size=4, device="cpu")
+    s = a.alloc(4)  # exactly one full page
+    used = a.used_pages
+    d = a.alloc_decode([5], [int(s[-1])])  # position 4 -> new page
+    assert a.used_pages == used + 1 and int(d[0]) % 4 == 0
+    d2 = a.alloc_decode([6], [int(d[0])])  # position 5 -> same page
+    assert a.used_pages == used + 1 and int(d2[0]) == int(d[0]) + 1
+
+
+def test_exhaustion_allocates_nothing() -> None:
+    a = PageAllocator(num_pages=4, page_size=2, device="cpu")  # 3 usable pages = 6 tokens
+    assert a.alloc(7) is None
+    assert a.available_size() == 6
+    assert a.alloc(6) is not None and a.available_size() == 0
+
+
+def test_free_and_double_free() -> None:
+    a = PageAllocator(num_pages=8, page_size=4, device="cpu")
+    s = a.alloc(10)
+    a.free(s)
+    a.check_integrity(in_use_pages=0)
+    with pytest.raises(RuntimeError):
+        a.free(s)
+
+
+def test_free_group_batches_frees() -> None:
+    a = PageAllocator(num_pages=16, page_size=2, device="cpu")
+    parts = [a.alloc(3), a.alloc(4), a.alloc(1)]
+    before = a.available_size()
+    a.free_group_begin()
+    for p in parts:
+        a.free(p)
+    assert a.available_size() == before  # nothing freed until the group ends
+    a.free_group_end()
+    a.check_integrity(in_use_pages=0)
+
+
+def test_page_zero_is_never_handed_out() -> None:
+    a = PageAllocator(num_pages=5, page_size=4, device="cpu")
+    s = a.alloc(16)
+    assert int(s.min()) >= 4
+    with pytest.raises(RuntimeError):
+        a.free(torch.tensor([0]))
+
+
+def test_req_to_token_pool_slots() -> None:
+    p = ReqToTokenPool(size=3, max_context_len=8, device="cpu")
+    rows = p.alloc(3)
+    assert p.alloc(1) is None
+    p.write(rows[0], 2, torch.tensor([7, 8]))
+    assert p.req_to_token[rows[0], 2:4].tolist() == [7, 8]
+    p.free(rows[0])
+    with pytest.raises(ValueError):
+        p.free(rows[0])
+    p.check_integrity(in_use=2)
+
+
+def test_kv_pool_is_one_contiguous_buffer() -> None:
+    pool = TokenToKVPool(num_pages=9, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8,
+                         dtype=torch.float32, device="cpu")
+    assert pool.kv_buffer.is_contiguous()
+    assert pool.k_buffer(1).data_ptr() == pool.kv_buffer[1, 0].data_ptr()
+    assert pool.page_bytes_per_layer() == 4 * 2 * 8 * 4
+    assert torch.all(pool.kv_buffer[:, :, :4] == 0)  # the pad page is finite
+    loc = pool.allocator.alloc(3).to(torch.int64)
+    k = torch.randn(3, 2, 8)
+    pool.set_kv(2, loc, k, -k)
+    assert torch.equal(pool.k_buffer(2)[loc], k) and torch.equal(pool.v_buffer(2)[loc], -k)
