@@ -1,0 +1,98 @@
+"""The on-device sampler: greedy, filters, seeded determinism, distribution, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.sampler import SamplingBatch, sample
+from tandem.engine.sampling_params import SamplingParams
+
+V = 50
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], pos: int = 0):
+    sb = SamplingBatch.from_params(params, V, "cpu")
+    return sample(logits, sb, torch.full((len(params),), pos, dtype=torch.int64))
+
+
+def _logits(rows: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    lg = _logits()
+    out = _sample(lg, [SamplingParams(temperature=0.0)] * 4)
+    assert torch.equal(out.next_token_ids, lg.argmax(-1))
+
+
+def test_top_k_one_is_greedy_and_tiny_top_p_keeps_only_the_mode() -> None:
+    lg = _logits()
+    assert torch.equal(_sample(lg, [SamplingParams(top_k=1)] * 4).next_token_ids, lg.argmax(-1))
+    assert torch.equal(_sample(lg, [SamplingParams(top_p=1e-6)] * 4).next_token_ids, lg.argmax(-1))
+    assert torch.equal(_sample(lg, [SamplingParams(min_p=1.0)] * 4).next_token_ids, lg.argmax(-1))
+
+
+def test_seed_makes_sampling_reproducible_and_position_dependent() -> None:
+    lg = (_logits(1) / 3).repeat(8, 1)  # a flat distribution, so draws differ
+    params = [SamplingParams(seed=s) for s in range(8)]
+    a = _sample(lg, params, pos=3).next_token_ids
+    assert torch.equal(a, _sample(lg, params, pos=3).next_token_ids)
+    assert len(set(a.tolist())) > 1  # different seeds, different draws
+    draws = {int(_sample(lg[:1], [SamplingParams(seed=7)], pos=p).next_token_ids) for p in range(20)}
+    assert len(draws) > 1  # the same seed moves on with the position
+
+
+def test_batch_mixes_greedy_and_sampled_rows() -> None:
+    lg = _logits(2)
+    out = _sample(lg, [SamplingParams(temperature=0.0), SamplingParams(seed=1)])
+    assert int(out.next_token_ids[0]) == int(lg[0].argmax())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=5),
+    SamplingParams(top_p=0.6),
+    SamplingParams(min_p=0.2, temperature=1.3),
+])
+def test_draws_follow_the_filtered_distribution(params: SamplingParams) -> None:
+    lg = _logits(1, seed=3)[0]
+    n = 4000
+    sb = SamplingBatch.from_params(
+        [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(n)], V, "cpu")
+    ids = sample(lg.repeat(n, 1), sb, torch.zeros(n, dtype=torch.int64)).next_token_ids
+    freq = torch.bincount(ids, minlength=V).float() / n
+    p = torch.softmax(lg / (params.temperature or 1.0), -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros(V, dtype=torch.bool)
+    sp = p[order]
+    k_keep = (torch.arange(V) < (params.top_k if params.top_k > 0 else V))
+    k_keep &= (sp.cumsum(0) - sp) <= params.top_p
+    k_keep &= sp >= params.min_p * sp[0]
+    keep[order[k_keep]] = True
+    want = torch.where(keep, p, 0.0)
+    want /= want.sum()
+    assert float(freq[~keep].sum()) == 0.0
+    assert float((freq - want).abs().max()) < 0.03
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    lg = _logits(3)
+    out = _sample(lg, [SamplingParams(temperature=0.0, return_logprob=True, top_logprobs_num=3)] * 3)
+    raw = torch.log_softmax(lg, -1)
+    torch.testing.assert_close(out.logprobs, raw.gather(-1, out.next_token_ids[:, None]).squeeze(-1))
+    torch.testing.assert_close(out.top_logprobs, raw.topk(3, -1).values)
+    assert torch.equal(out.top_ids[:, 0], lg.argmax(-1))
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": 0}, {"min_p": 1.5}, {"max_new_tokens": -1},
+])
+def test_invalid_params_are_rejected(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_make_accepts_user_values() -> None:
+    p = SamplingParams.make(stop="###", stop_token_ids=[3, 4], max_new_tokens=5)
+    assert p.stop == ("###",) and p.stop_token_ids == (3, 4)
