@@ -106,6 +106,8 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context_len: int | None = None  # None = model's max_position_embeddings
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -38,6 +38,7 @@ class ForwardBatch:
     positions: torch.Tensor  # (num_tokens,) int64
     out_cache_loc: torch.Tensor  # (num_tokens,) int64: KV slot each new token writes
     req_pool_indices: torch.Tensor  # (batch,) int64: row in req_to_token
+    req_pool_indices_cpu: list[int]
     seq_lens: torch.Tensor  # (batch,) int32: prefix + new tokens
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
@@ -88,6 +89,7 @@ class ForwardBatch:
             positions=positions.to(device, non_blocking=True),
             out_cache_loc=out_cache_loc.to(device, torch.int64, non_blocking=True),
             req_pool_indices=torch.tensor(req_pool_indices, dtype=torch.int64).to(device, non_blocking=True),
+            req_pool_indices_cpu=list(req_pool_indices),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(prefix_lens),

@@ -76,6 +76,11 @@ class ModelRunner:
             self.dtype, self.device,
         )
         self.attn_backend = create_backend(config.attention_backend, self)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph and hasattr(self.attn_backend, "plan_decode"):
+            from tandem.engine.cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_running_requests))
         log.info(
             "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
@@ -98,6 +103,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits (batch, vocab) in fp32 for the last new token of each request."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 

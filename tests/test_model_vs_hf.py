@@ -150,3 +150,30 @@ def test_bf16_close_to_hf_bf16(model_path, arch: str) -> None:
     assert agree / total >= 0.9
     sb.release(seqs)
     _check_pool_whole(runner)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_flashinfer_runner_close_to_hf_bf16(model_path, arch: str, cuda_graph: bool) -> None:
+    """CUDA: FlashInfer prefill + decode (optionally under CUDA graphs) against HF bf16 on GPU."""
+    path = model_path(arch)
+    cfg = RunnerConfig(dtype="bfloat16", device="cuda", page_size=PAGE, max_total_tokens=8192,
+                       max_running_requests=16, max_context_len=1024, disable_cuda_graph=not cuda_graph)
+    runner = ModelRunner(path, cfg)
+    assert (runner.graph_runner is not None) == cuda_graph
+    sb = StaticBatch(runner)
+    prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)
+    seqs = sb.new(len(prompts))
+    steps = [sb.forward(seqs, prompts)]
+    cont = [torch.randint(10, runner.vocab_size, (16,)).tolist() for _ in prompts]
+    for t in range(16):
+        steps.append(sb.forward(seqs, [[c[t]] for c in cont]))
+    hf = _hf(str(path), torch.bfloat16).cuda()
+    for i, (p, c) in enumerate(zip(prompts, cont)):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([p + c], device="cuda")).logits[0].float()[len(p) - 1 :]
+        assert _rel(torch.stack([s[i] for s in steps]), ref) < 5e-2
+    hf.cpu()
+    sb.release(seqs)
+    _check_pool_whole(runner)
