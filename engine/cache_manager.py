@@ -1,0 +1,151 @@
+"""CacheManager: owns KV pages, request rows and the prefix cache.
+
+The scheduler never touches the allocator or the tree directly; it asks this
+manager for slots and hands back requests that stop running. Allocation evicts
+unlocked prefix-cache leaves first when the free list is short.
+
+Row layout of a running request (positions of its req_to_token row):
+
+    [0, len(prefix_indices))            owned by the prefix cache, locked via last_node
+    [len(prefix_indices), committed)    owned by the request; freed or cached on release
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.req import Req
+
+
+class OutOfKV(RuntimeError):
+    """The pool cannot hold what the scheduler promised; a budget bug, not a load condition."""
+
+
+class CacheManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, tree_cache: object) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_pool = kv_pool
+        self.allocator = kv_pool.allocator
+        self.tree = tree_cache
+        self.page_size = kv_pool.page_size
+
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def available_tokens(self) -> int:
+        """Free now plus reclaimable by evicting unlocked cache entries."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def capacity_tokens(self) -> int:
+        return self.kv_pool.capacity_tokens
+
+    def usage(self) -> float:
+        used = self.capacity_tokens() - self.allocator.available_size() - self.tree.evictable_size()
+        return used / self.capacity_tokens()
+
+    def _ensure_free(self, pages: int) -> None:
+        short = pages * self.page_size - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        if self.allocator.available_size() < pages * self.page_size:
+            raise OutOfKV(f"need {pages} pages, {self.allocator.available_size() // self.page_size} free")
+
+    # ---- allocation ------------------------------------------------------------------------
+    def alloc_extend(self, reqs: list[Req]) -> torch.Tensor:
+        """Give each request a row (if new) and slots for its extend tokens; returns the
+        slots concatenated in request order and writes them into the rows."""
+        prefix = [r.prefix_len for r in reqs]  # before rows are assigned: cache hits
+        rows_needed = [r for r in reqs if r.req_pool_idx is None]
+        if rows_needed:
+            rows = self.req_to_token_pool.alloc(len(rows_needed))
+            if rows is None:
+                raise OutOfKV("out of request slots")
+            for r, row in zip(rows_needed, rows):
+                r.req_pool_idx = row
+                # A fresh row starts with the cached prefix the tree lent us.
+                self.req_to_token_pool.write(row, 0, r.prefix_indices)
+        extend = [r.extend_input_len for r in reqs]
+        last = [int(self.req_to_token[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(reqs, prefix)]
+        self._ensure_free(sum(self.allocator.pages_needed(p, e) for p, e in zip(prefix, extend)))
+        slots = self.allocator.alloc_extend(prefix, extend, last)
+        assert slots is not None
+        start = 0
+        for r, p, e in zip(reqs, prefix, extend):
+            self.req_to_token_pool.write(r.req_pool_idx, p, slots[start : start + e])
+            r.kv_committed_len = p + e
+            start += e
+        return slots
+
+    def decode_pages_needed(self, reqs: list[Req]) -> int:
+        return sum(self.allocator.pages_needed(r.kv_committed_len, 1) for r in reqs)
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot per request, for the position after its committed KV."""
+        self._ensure_free(self.decode_pages_needed(reqs))
+        seq = [r.kv_committed_len + 1 for r in reqs]
+        last = [int(self.req_to_token[r.req_pool_idx, r.kv_committed_len - 1]) for r in reqs]
+        slots = self.allocator.alloc_decode(seq, last)
+        assert slots is not None
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        self.req_to_token[rows.to(self.req_to_token.device), cols.to(self.req_to_token.device)] = slots.to(
+            self.req_to_token.device, torch.int32
+        )
+        for r in reqs:
+            r.kv_committed_len += 1
+        return slots
+
+    # ---- release --------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """The request stops holding KV (finished, aborted or retracted): its KV goes to
+        the prefix cache (or is freed) and its row is returned."""
+        if req.req_pool_idx is None:
+            if req.last_node is not None:  # matched but never admitted
+                req.last_node = None
+            return
+        assert len(req.kv_token_ids()) == req.kv_committed_len, f"{req.rid}: KV ahead of known tokens"
+        self.tree.cache_finished_req(req)
+        req.req_pool_idx = None
+        req.kv_committed_len = 0
+        req.last_node = None
+
+    def cache_unfinished(self, req: Req) -> None:
+        self.tree.cache_unfinished_req(req)
+
+    def lock(self, node: object) -> None:
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: object) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def free_group(self) -> _FreeGroup:
+        return _FreeGroup(self.allocator)
+
+    # ---- integrity ------------------------------------------------------------------------
+    def check_integrity(self, running: list[Req]) -> None:
+        """Pages in use == pages held by the cache + pages owned by running requests."""
+        self.tree.check_integrity()
+        P = self.page_size
+        owned = 0
+        for r in running:
+            if r.req_pool_idx is not None:
+                owned += -(-r.kv_committed_len // P) - len(r.prefix_indices) // P
+        cached_pages = self.tree.total_size() // P
+        self.allocator.check_integrity(in_use_pages=cached_pages + owned)
+        self.req_to_token_pool.check_integrity(in_use=sum(r.req_pool_idx is not None for r in running))
+
+
+class _FreeGroup:
+    """`with cache.free_group():` batches every free inside into one allocator call."""
+
+    def __init__(self, allocator: object) -> None:
+        self.allocator = allocator
+
+    def __enter__(self) -> None:
+        self.allocator.free_group_begin()  # type: ignore[attr-defined]
+
+    def __exit__(self, *exc: object) -> None:
+        self.allocator.free_group_end()  # type: ignore[attr-defined]

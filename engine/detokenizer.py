@@ -1,0 +1,60 @@
+"""Incremental detokenization and stop-string matching.
+
+Decoding token by token breaks multi-byte characters and merges, so text is
+produced by decoding a small window and emitting only what is new and
+complete (a trailing U+FFFD means a character is still half-decoded):
+
+    ids:   ... [prefix_offset ... read_offset) [read_offset ... end)
+    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+Stop strings are searched in the text tail that can contain a match ending in
+the new delta, so a stop string split across tokens is still found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_WINDOW = 6  # tokens of left context kept so merges and byte sequences decode right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
+
+    def step(self, new_ids: list[int]) -> str:
+        """Feed new token ids; return the newly completed text."""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self.prefix_offset = max(len(self.ids) - _WINDOW, 0)
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, delta_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """(index, stop) of the earliest stop string ending inside the last delta_len chars."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        start = max(len(text) - delta_len - len(s) + 1, 0)
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def stream_holdback(stops: tuple[str, ...]) -> int:
+    """Characters to hold back while streaming: they may begin a stop string."""
+    return max((len(s) - 1 for s in stops), default=0)

@@ -1,0 +1,87 @@
+"""EngineConfig: every knob of the engine, under SGLang's server-arg names.
+
+One frozen dataclass feeds `Engine(**config)`, the CLI flags and the servers.
+"auto" values are resolved once, at start-up, with dataclasses.replace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tandem.engine.config import RunnerConfig
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "follow_bootstrap_room")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 1
+    chunked_prefill_size: int = 2048  # <= 0 disables chunking
+    max_prefill_tokens: int = 8192
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    mem_fraction_static: float = 0.5
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = False
+    enable_priority_scheduling: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    max_context_len: int | None = None
+    waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
+    running_timeout: float | None = None  # seconds a request may run before it is aborted
+    # Congestion control of the KV budget (the seeds' new_token_ratio).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    clip_max_new_tokens: int = 4096
+    seed: int = 0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be >= 1")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError("schedule_conservativeness must be > 0")
+        if self.chunked_prefill_size > 0 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be at least one page")
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @property
+    def enable_overlap(self) -> bool:
+        return not self.disable_overlap_schedule
+
+    def runner_config(self) -> RunnerConfig:
+        return RunnerConfig(
+            dtype=self.dtype, device=self.device, page_size=self.page_size,
+            max_total_tokens=self.max_total_tokens, mem_fraction_static=self.mem_fraction_static,
+            max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
+            attention_backend=self.attention_backend, disable_cuda_graph=self.disable_cuda_graph,
+            seed=self.seed,
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kw: object) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(kw) - names
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return cls(**kw)  # type: ignore[arg-type]

@@ -1,0 +1,84 @@
+"""Per-step scheduler metrics: TTFT, TPOT, queue depth, running requests, KV
+utilisation, cache hits, and the device idle gap between consecutive forwards.
+
+Plain numbers here; the servers export them with prometheus-client.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SchedulerMetrics:
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    input_tokens: int = 0
+    cache_hit_tokens: int = 0
+    generated_tokens: int = 0
+    forward_time: float = 0.0
+    idle_gap_time: float = 0.0  # forward thread idle between consecutive forwards
+    decode_forward_time: float = 0.0
+    decode_idle_gap_time: float = 0.0
+    last_batch_size: int = 0
+    _last_forward_end: float | None = None
+    _last_was_decode: bool = False
+
+    def on_prefill_round(self, adder: Any) -> None:
+        self.input_tokens += adder.log_input_tokens + adder.log_hit_tokens
+        self.cache_hit_tokens += adder.log_hit_tokens
+
+    def on_launch(self, batch: Any) -> None:
+        self.last_batch_size = batch.batch_size
+        if batch.mode.is_extend():
+            self.num_prefill_batches += 1
+        else:
+            self.num_decode_batches += 1
+
+    def on_result(self, batch: Any, result: Any) -> None:
+        dt = result.forward_end - result.forward_start
+        self.forward_time += dt
+        decode = not batch.mode.is_extend()
+        if self._last_forward_end is not None:
+            gap = max(result.forward_start - self._last_forward_end, 0.0)
+            self.idle_gap_time += gap
+            if decode and self._last_was_decode:
+                self.decode_idle_gap_time += gap
+        if decode:
+            self.decode_forward_time += dt
+        self._last_forward_end, self._last_was_decode = result.forward_end, decode
+
+    def on_finish(self, req: Any) -> None:
+        self.generated_tokens += len(req.output_ids)
+        if req.first_token_time is not None:
+            self.ttft.append(req.first_token_time - req.arrival_time)
+            if len(req.output_ids) > 1 and req.last_token_time is not None:
+                self.tpot.append((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1))
+
+    def mark_idle(self) -> None:
+        self._last_forward_end = None  # a gap caused by no work is not scheduler overhead
+
+    @property
+    def decode_idle_fraction(self) -> float:
+        total = self.decode_forward_time + self.decode_idle_gap_time
+        return self.decode_idle_gap_time / total if total else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return {
+            "ttft_mean": sum(self.ttft) / len(self.ttft) if self.ttft else 0.0,
+            "tpot_mean": sum(self.tpot) / len(self.tpot) if self.tpot else 0.0,
+            "prefill_batches": self.num_prefill_batches,
+            "decode_batches": self.num_decode_batches,
+            "cache_hit_rate": self.cache_hit_rate,
+            "decode_idle_fraction": self.decode_idle_fraction,
+            "generated_tokens": self.generated_tokens,
+            "time": time.time(),
+        }

@@ -1,0 +1,114 @@
+"""PrefillAdder: decides which waiting requests fit into this round's prefill.
+
+A fresh adder is built every scheduling round with three budgets:
+
+    rem_total_tokens  KV the pool can still give out: free + evictable cache
+                      - for each running request: min(max_new - generated, CLIP) * new_token_ratio
+                      - for each request admitted this round: extend + min(max_new, CLIP)
+    rem_input_tokens  max_prefill_tokens: new tokens computed in one forward
+    rem_chunk_tokens  chunked_prefill_size: a longer request is cut page-aligned
+                      and its remainder resumes first next round
+
+In a MIXED batch the running decode tokens are charged to the input and chunk
+budgets up front.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from tandem.engine.cache_manager import CacheManager
+from tandem.engine.req import Req
+
+
+class AddReqResult(Enum):
+    CONTINUE = "continue"  # room for more
+    NO_TOKEN = "no_token"  # the KV budget is spent: stop admitting, the batch is full
+    OTHER = "other"  # this round's input/chunk budget is spent
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        cache: CacheManager,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunk_size: int | None,
+        clip_max_new_tokens: int,
+        mixed_with_decode_tokens: int = 0,
+    ) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.clip = clip_max_new_tokens
+        # KV the running requests are still expected to need (the seeds' reservation).
+        self.reserved = sum(
+            min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), self.clip) * new_token_ratio
+            for r in running
+        )
+        self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None if chunk_size is None else chunk_size - mixed_with_decode_tokens
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+        self.log_hit_tokens = 0
+        self.log_input_tokens = 0
+
+    @property
+    def rem_total_tokens(self) -> float:
+        # Recomputed on demand: locking a request's prefix makes it non-evictable.
+        return self.cache.available_tokens() - self.reserved
+
+    def _ceil_page(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def budget_state(self) -> AddReqResult:
+        if self.rem_total_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        return AddReqResult.CONTINUE
+
+    def _charge(self, extend: int, max_new: int) -> None:
+        self.reserved += self._ceil_page(extend) + max_new
+        self.rem_input_tokens -= extend
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend
+
+    def add_chunked_req(self, req: Req) -> Req | None:
+        """Continue a chunked request; returns it again if it still has chunks left."""
+        budget = self.rem_input_tokens if self.rem_chunk_tokens is None else min(
+            self.rem_input_tokens, self.rem_chunk_tokens)
+        truncated = req.extend_input_len > budget
+        if truncated:
+            req.set_extend_input_len(budget // self.page_size * self.page_size)
+            if req.extend_input_len <= 0:
+                return req  # no room at all this round; it stays first in line
+        self.can_run_list.append(req)
+        self._charge(req.extend_input_len, 0 if truncated else self._max_new(req))
+        return req if truncated else None
+
+    def _max_new(self, req: Req) -> int:
+        return min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), self.clip)
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        total = req.extend_input_len + self._max_new(req)
+        if total >= self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if self._ceil_page(req.extend_input_len) >= self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+        if self.rem_chunk_tokens is None or req.extend_input_len <= self.rem_chunk_tokens:
+            self.cache.lock(req.last_node)
+            self.can_run_list.append(req)
+            self._charge(req.extend_input_len, self._max_new(req))
+        else:
+            trunc = self.rem_chunk_tokens // self.page_size * self.page_size
+            if trunc <= 0:
+                return AddReqResult.OTHER
+            self.cache.lock(req.last_node)
+            req.set_extend_input_len(trunc)
+            self.can_run_list.append(req)
+            self.new_chunked_req = req
+            self._charge(trunc, 0)
+        self.log_hit_tokens += req.prefix_len
+        self.log_input_tokens += req.extend_input_len
+        return self.budget_state()

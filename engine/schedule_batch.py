@@ -1,0 +1,139 @@
+"""ScheduleBatch (scheduler side) and ModelWorkerBatch (what the worker needs).
+
+    ScheduleBatch  --get_model_worker_batch()-->  ModelWorkerBatch  --worker-->  ForwardBatch
+
+`output_ids` holds, per request, the token the next decode step feeds in: a
+real id once results are processed, or a negative FutureMap index while the
+step that samples it is still in flight (overlap mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.cache_manager import CacheManager
+from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.req import Req, ReqStatus
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ModelWorkerBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (tokens,) int64; negative entries are future references
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor
+    num_extend_reqs: int
+    sampling_params: list[SamplingParams]
+    sample_positions: list[int]  # output index of the token each request samples
+    return_logprob: bool
+
+
+@dataclass(eq=False)
+class ScheduleBatch:
+    reqs: list[Req]
+    mode: ForwardMode = ForwardMode.DECODE
+    output_ids: torch.Tensor | None = None  # (batch,) next decode input per request
+    input_ids: torch.Tensor | None = None
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    out_cache_loc: torch.Tensor | None = None
+    num_extend_reqs: int = 0
+    decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: running reqs riding along
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    # ---- extend ----------------------------------------------------------------------------
+    def prepare_for_extend(self, cache: CacheManager) -> None:
+        self.mode = ForwardMode.EXTEND
+        self.prefix_lens = [r.prefix_len for r in self.reqs]
+        self.extend_lens = [r.extend_input_len for r in self.reqs]
+        self.out_cache_loc = cache.alloc_extend(self.reqs)
+        ids = [t for r, p in zip(self.reqs, self.prefix_lens) for t in r.fill_ids[p:]]
+        self.input_ids = torch.tensor(ids, dtype=torch.int64)
+        self.num_extend_reqs = len(self.reqs)
+        for r in self.reqs:
+            r.status = ReqStatus.CHUNKED if r.is_chunked else ReqStatus.EXTENDING
+            r.is_retracted = False
+
+    def mix_with_running(self, running: ScheduleBatch, cache: CacheManager) -> None:
+        """Append the running decode batch to this extend batch: one MIXED forward."""
+        running.prepare_for_decode(cache)
+        self.mode = ForwardMode.MIXED
+        self.decoding_reqs = list(running.reqs)
+        self.reqs = self.reqs + running.reqs
+        self.prefix_lens += running.prefix_lens
+        self.extend_lens += running.extend_lens
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+
+    # ---- decode ----------------------------------------------------------------------------
+    def prepare_for_decode(self, cache: CacheManager) -> None:
+        self.mode = ForwardMode.DECODE
+        assert self.output_ids is not None and len(self.output_ids) == len(self.reqs)
+        self.prefix_lens = [r.kv_committed_len for r in self.reqs]
+        self.extend_lens = [1] * len(self.reqs)
+        self.out_cache_loc = cache.alloc_decode(self.reqs)
+        self.input_ids = self.output_ids
+        self.num_extend_reqs = 0
+        for r in self.reqs:
+            r.status = ReqStatus.DECODING
+
+    # ---- membership -------------------------------------------------------------------------
+    def filter_batch(self, keep: list[int] | None = None, exclude: Req | None = None) -> None:
+        """Keep unfinished, unretracted requests (or exactly `keep`), minus `exclude`."""
+        if keep is None:
+            keep = [
+                i for i, r in enumerate(self.reqs)
+                if not r.finished() and not r.is_retracted and r is not exclude
+            ]
+        if len(keep) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep]
+        if self.output_ids is not None:
+            self.output_ids = self.output_ids[torch.tensor(keep, dtype=torch.int64)]
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        if other.is_empty():
+            return
+        if self.is_empty():
+            self.reqs, self.output_ids = list(other.reqs), other.output_ids
+            return
+        self.reqs = self.reqs + other.reqs
+        assert self.output_ids is not None and other.output_ids is not None
+        self.output_ids = torch.cat([self.output_ids, other.output_ids])
+
+    def snapshot(self) -> ScheduleBatch:
+        """The batch as launched, for processing its results later (membership changes after)."""
+        return ScheduleBatch(
+            list(self.reqs), self.mode, num_extend_reqs=self.num_extend_reqs,
+            prefix_lens=self.prefix_lens, extend_lens=self.extend_lens,
+        )
+
+    # ---- hand-off ---------------------------------------------------------------------------
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        seq_after = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+        return ModelWorkerBatch(
+            mode=self.mode,
+            input_ids=self.input_ids,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens),
+            out_cache_loc=self.out_cache_loc,
+            num_extend_reqs=self.num_extend_reqs if self.mode != ForwardMode.DECODE else 0,
+            sampling_params=[r.sampling_params for r in self.reqs],
+            # The token sampled after position s-1 is output number s - input_len.
+            sample_positions=[s - len(r.origin_input_ids) for r, s in zip(self.reqs, seq_after)],
+            return_logprob=any(
+                r.sampling_params.return_logprob or r.sampling_params.top_logprobs_num for r in self.reqs
+            ),
+        )

@@ -1,0 +1,262 @@
+"""Scheduler: wires the managers and runs the event loop.
+
+    normal loop:   recv -> schedule N -> run N -> process N
+    overlap loop:  recv -> schedule N -> launch N -> process N-1 -> (N in flight)
+
+The overlap loop reads like the seeds' timing diagram: while the forward
+thread computes batch N, this thread processes N-1's results and builds N+1
+(whose decode inputs are N's futures). Two consecutive prefills do not
+overlap, so the first prefill's tokens reach the client before the second runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tandem.engine.cache_manager import CacheManager
+from tandem.engine.decode_manager import DecodeManager
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.future_map import FutureMap
+from tandem.engine.io_struct import AbortReq, AdminResult, FlushCacheReq, GenerateReqInput, ReqOutput, SchedulerStats, ShutdownReq
+from tandem.engine.metrics import SchedulerMetrics
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.prefill_manager import PrefillManager
+from tandem.engine.prefix_cache import create_prefix_cache
+from tandem.engine.req import Req, finish_abort
+from tandem.engine.request_validation import build_req
+from tandem.engine.schedule_batch import ScheduleBatch
+from tandem.engine.schedule_policy import SchedulePolicy
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        inbox: queue.Queue,
+        emit: Callable[[list[ReqOutput]], None],
+        tokenizer: Callable[[], Any],
+        dp_rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.inbox = inbox
+        self.dp_rank = dp_rank
+        tree = create_prefix_cache(
+            config.disable_radix_cache, runner.req_to_token_pool, runner.kv_pool.allocator, runner.page_size
+        )
+        self.cache = CacheManager(runner.req_to_token_pool, runner.kv_pool, tree)
+        self.policy = SchedulePolicy(config.schedule_policy, tree, config.enable_priority_scheduling, config.seed)
+        self.prefill = PrefillManager(config, self.cache, self.policy)
+        self.decode = DecodeManager(config, self.cache)
+        self.output = OutputProcessor(self.cache, runner.model_config.eos_token_ids, tokenizer, emit)
+        self.metrics = SchedulerMetrics()
+        self.output.on_finish = self.metrics.on_finish
+        self.worker = ModelWorker(runner)
+        self.overlap: OverlapWorker | None = None
+        if config.enable_overlap:
+            self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests * 2, runner.device))
+        self.last_batch: ScheduleBatch | None = None
+        self.running = True
+        self.reqs: dict[str, Req] = {}
+
+    # ---- input ---------------------------------------------------------------------------------
+    def recv_requests(self, block: bool) -> list[Any]:
+        msgs = []
+        try:
+            msgs.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            while True:
+                msgs.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return msgs
+
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, GenerateReqInput):
+                req, error = build_req(msg, self.runner, self.config)
+                if error is not None:
+                    self.output.emit([error])
+                    continue
+                self.reqs[req.rid] = req
+                self.prefill.add(req)
+            elif isinstance(msg, AbortReq):
+                self.abort(msg.rid)
+            elif isinstance(msg, FlushCacheReq):
+                self.output.emit([self.flush_cache(msg.request_id)])
+            elif isinstance(msg, ShutdownReq):
+                self.running = False
+
+    def abort(self, rid: str) -> None:
+        req = self.prefill.abort_waiting(rid)
+        if req is not None:
+            self.output.stream([req])
+            return
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished():
+            req.to_finish = finish_abort("aborted by client")  # applied at its next result
+
+    def flush_cache(self, request_id: str) -> AdminResult:
+        """Drop the prefix cache when idle; report whether the pool is whole afterwards."""
+        if not self.idle():
+            return AdminResult(request_id, False, {"error": "busy: requests are running"})
+        try:
+            self.cache.tree.reset()
+            self.cache.check_integrity(running=[])
+            free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
+            return AdminResult(request_id, free == cap, {"free_tokens": free, "capacity_tokens": cap,
+                                                         "metrics": self.metrics.snapshot()})
+        except AssertionError as exc:
+            return AdminResult(request_id, False, {"error": f"integrity check failed: {exc}"})
+
+    # ---- batch construction ----------------------------------------------------------------------
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        for r in self.prefill.expire_waiting(self.config.waiting_timeout):
+            self.output.stream([r])
+        self.decode.expire_running(self.config.running_timeout)
+        last = self.last_batch
+        if last is not None and last.mode.is_extend():
+            # Its requests (and, if MIXED, the decodes that rode along) continue decoding.
+            self.decode.merge(ScheduleBatch(list(last.reqs), output_ids=last.output_ids),
+                              exclude=self.prefill.chunked_req)
+        self.maybe_preempt_for_priority()
+        mixed = self.config.enable_mixed_chunk and self.decode.runnable()
+        running = [r for r in self.decode.reqs if not r.finished()]
+        batch, adder = self.prefill.schedule_next_batch(
+            running, self.decode.new_token_ratio, len(running) if mixed else 0)
+        if adder is not None:
+            self.metrics.on_prefill_round(adder)
+        if batch is not None:
+            if mixed:
+                self.decode.running_batch.filter_batch()
+                if not self.decode.running_batch.is_empty():
+                    batch.mix_with_running(self.decode.running_batch, self.cache)
+                    self.decode.running_batch = ScheduleBatch([])
+            return batch
+        decode_batch, retracted = self.decode.update_running_batch()
+        for r in reversed(retracted):
+            self.prefill.add(r, front=True)
+        return decode_batch
+
+    def maybe_preempt_for_priority(self) -> None:
+        """Priority scheduling: retract lower-priority running requests for a waiting one."""
+        cfg = self.config
+        if not cfg.enable_priority_scheduling or not self.prefill.waiting_queue or not self.decode.runnable():
+            return
+        top = max(self.prefill.waiting_queue, key=lambda r: r.priority)
+        need = len(top.origin_input_ids) + min(top.sampling_params.max_new_tokens, cfg.clip_max_new_tokens)
+        full = len(self.decode.reqs) >= cfg.max_running_requests
+        if not full and self.cache.available_tokens() >= need:
+            return
+        victims = sorted(
+            (r for r in self.decode.reqs
+             if top.priority - r.priority >= cfg.priority_scheduling_preemption_threshold and not r.finished()),
+            key=lambda r: (r.priority, -r.arrival_time),
+        )
+        for v in victims:
+            self.decode.release_for_retract(v)
+            self.prefill.add(v)
+            need -= v.seqlen
+            if need <= self.cache.available_tokens() and len(self.decode.reqs) - 1 < cfg.max_running_requests:
+                break
+        self.decode.running_batch.filter_batch()
+
+    # ---- running ----------------------------------------------------------------------------------
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        self.metrics.on_launch(batch)
+        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        result.materialize()
+        self.metrics.on_result(batch, result)
+        if batch.mode == ForwardMode.DECODE:
+            self.output.process_decode(batch, result)
+        else:
+            self.output.process_prefill(batch, result)
+        if self.prefill.chunked_req is not None and self.prefill.chunked_req.finished():
+            self.prefill.chunked_req = None
+        for r in batch.reqs:
+            if r.finished():
+                self.reqs.pop(r.rid, None)
+
+    def self_check_during_idle(self) -> None:
+        if not self.idle():
+            return
+        self.metrics.mark_idle()
+        self.decode.new_token_ratio = self.decode.init_new_token_ratio
+        self.cache.check_integrity(running=[])
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            self.dp_rank, len(self.decode.reqs), len(self.prefill.waiting_queue),
+            sum(r.seqlen for r in self.decode.reqs), self.cache.usage(),
+        )
+
+    # ---- loops ----------------------------------------------------------------------------------------
+    def idle(self) -> bool:
+        """No work left: nothing waiting and every running request finished (maybe unfiltered)."""
+        return not self.prefill.runnable() and all(r.finished() for r in self.decode.reqs)
+
+    def event_loop_normal(self) -> None:
+        while self.running:
+            self.process_input_requests(self.recv_requests(block=self.idle()))
+            batch = self.get_next_batch_to_run()
+            if batch is not None:
+                result = self.run_batch(batch)
+                self.process_batch_result(batch, result)
+                batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+            else:
+                self.self_check_during_idle()
+            self.last_batch = batch
+
+    def event_loop_overlap(self) -> None:
+        assert self.overlap is not None
+        in_flight: deque[tuple[ScheduleBatch, Any]] = deque()
+
+        def pop_and_process() -> None:
+            done_batch, fut = in_flight.popleft()
+            self.process_batch_result(done_batch, fut.result())
+
+        while self.running:
+            self.process_input_requests(self.recv_requests(block=self.idle() and not in_flight))
+            batch = self.get_next_batch_to_run()
+            consecutive_prefill = (
+                batch is not None and batch.mode.is_extend()
+                and self.last_batch is not None and self.last_batch.mode.is_extend()
+            )
+            if consecutive_prefill and in_flight:
+                pop_and_process()
+            if batch is not None:
+                self.metrics.on_launch(batch)
+                fut, future_ids = self.overlap.launch(batch.get_model_worker_batch())
+                batch.output_ids = future_ids  # the next decode step feeds these in
+                in_flight.append((batch.snapshot(), fut))
+            if in_flight and (len(in_flight) > 1 or batch is None):
+                pop_and_process()
+            elif batch is None and not in_flight:
+                self.self_check_during_idle()
+            self.last_batch = batch
+        while in_flight:
+            pop_and_process()
+
+    def run(self) -> None:
+        try:
+            if self.overlap is not None:
+                self.event_loop_overlap()
+            else:
+                self.event_loop_normal()
+        finally:
+            if self.overlap is not None:
+                self.overlap.shutdown()
