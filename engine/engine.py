@@ -9,6 +9,7 @@ are routed to per-request queues, which `generate` drains and
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
@@ -41,6 +42,7 @@ class Engine:
             self._backend: Any = DataParallelController(self.config, str(self.model_path), self._on_outputs)
         else:
             self._backend = _InProcessScheduler(self.config, str(self.model_path), self.tokenizer, self._on_outputs)
+        atexit.register(self.shutdown)
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _on_outputs(self, outs: list[Any]) -> None:
@@ -59,6 +61,20 @@ class Engine:
             self._routes[rid] = q
         self._backend.send(GenerateReqInput(rid, ids, dict(params), priority))
         return rid, q, ids
+
+    def _get(self, q: queue.Queue, timeout: float | None = None) -> Any:
+        """Next output for a request; raises if the scheduler died instead of hanging."""
+        waited = 0.0
+        while True:
+            try:
+                return q.get(timeout=0.5)
+            except queue.Empty:
+                waited += 0.5
+                err = self._backend.error
+                if err is not None:
+                    raise RuntimeError(f"the scheduler stopped: {err!r}") from err
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError("no answer from the scheduler") from None
 
     def _close(self, rid: str) -> None:
         with self._lock:
@@ -81,7 +97,7 @@ class Engine:
             last: ReqOutput | None = None
             logprobs: list[float] = []
             while last is None or not last.finished:
-                last = q.get()
+                last = self._get(q)
                 tokens += last.token_ids
                 logprobs += last.logprobs or []
             self._close(rid)
@@ -113,7 +129,7 @@ class Engine:
         sent = 0
         try:
             while True:
-                out: ReqOutput = q.get()
+                out: ReqOutput = self._get(q)
                 detok.step(out.token_ids)
                 text = detok.text
                 hit = find_stop(text, len(text), stops) if stops else None
@@ -139,7 +155,7 @@ class Engine:
         with self._lock:
             self._routes[rid] = q
         self._backend.send(FlushCacheReq(rid))
-        replies = [q.get(timeout=60) for _ in range(self.config.dp_size)]
+        replies = [self._get(q, timeout=60) for _ in range(self.config.dp_size)]
         self._close(rid)
         return replies
 
@@ -161,14 +177,23 @@ class _InProcessScheduler:
         from tandem.engine.scheduler import Scheduler
 
         self.inbox: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
         runner = ModelRunner(model_path, config.runner_config())
         self.scheduler = Scheduler(config, runner, self.inbox, emit, lambda: tokenizer)
-        self.thread = threading.Thread(target=self.scheduler.run, name="tandem-scheduler", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run()
+        except BaseException as exc:  # surfaced to callers by Engine._get
+            self.error = exc
+            raise
 
     def send(self, msg: Any) -> None:
         self.inbox.put(msg)
 
     def shutdown(self) -> None:
-        self.inbox.put(ShutdownReq())
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.inbox.put(ShutdownReq())
+            self.thread.join(timeout=30)

@@ -96,15 +96,20 @@ class PrefillAdder:
             return AddReqResult.NO_TOKEN
         if self._ceil_page(req.extend_input_len) >= self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
+        # Locking the request's cached prefix takes it out of the evictable pool, so
+        # the KV budget is checked again with the lock held.
+        self.cache.lock(req.last_node)
+        if total >= self.rem_total_tokens:
+            self.cache.unlock(req.last_node)
+            return AddReqResult.NO_TOKEN
         if self.rem_chunk_tokens is None or req.extend_input_len <= self.rem_chunk_tokens:
-            self.cache.lock(req.last_node)
             self.can_run_list.append(req)
             self._charge(req.extend_input_len, self._max_new(req))
         else:
             trunc = self.rem_chunk_tokens // self.page_size * self.page_size
             if trunc <= 0:
+                self.cache.unlock(req.last_node)
                 return AddReqResult.OTHER
-            self.cache.lock(req.last_node)
             req.set_extend_input_len(trunc)
             self.can_run_list.append(req)
             self.new_chunked_req = req

@@ -1,0 +1,50 @@
+"""The engine-args ConfigMap: one engine.yaml per worker role.
+
+Each role gets its own key because tensor parallel size is per role; the worker
+Deployment mounts its role's key as /etc/tandem/engine.yaml. A hash of that text
+goes into the pod template annotations, so changing engine args rolls the pods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import yaml
+
+from tandem.operator import names
+from tandem.operator.meta import child_meta
+from tandem.operator.spec import ServiceSpec
+
+CONFIG_HASH_ANNOTATION = "tandem.dev/engine-config-hash"
+
+
+def role_engine_yaml(svc: ServiceSpec, role: str) -> str:
+    spec = svc.role(role)
+    doc: dict[str, Any] = {
+        **svc.engine_args,
+        "tp_size": spec.tensor_parallel_size,
+        "kv_transfer": {
+            "backend": svc.kv.backend,
+            "port_base": svc.kv.port_base,
+            "port_count": svc.kv.port_count,
+        },
+    }
+    return yaml.safe_dump(doc, sort_keys=True)
+
+
+def config_key(role: str) -> str:
+    return f"{role}.yaml"
+
+
+def config_hash(svc: ServiceSpec, role: str) -> str:
+    return hashlib.sha256(role_engine_yaml(svc, role).encode()).hexdigest()[:16]
+
+
+def engine_configmap(svc: ServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_meta(svc, names.engine_config_name(svc.name)),
+        "data": {config_key(role): role_engine_yaml(svc, role) for role in names.WORKER_ROLES},
+    }

@@ -1,0 +1,109 @@
+"""Where the autoscaler's numbers come from: each worker's /metrics, or a Prometheus server.
+
+Both readers return {role: RoleMetrics} for prefill and decode, and an empty
+RoleMetrics for a role they could not read, which the policy treats as "hold".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tandem import metric_names as m
+from tandem.operator import names
+from tandem.operator.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics
+
+
+@dataclass(frozen=True)
+class PodRef:
+    name: str
+    ip: str
+
+
+def ready_pods(pods: list[dict[str, Any]]) -> list[PodRef]:
+    """Pods worth scraping: Ready, with an IP, and not terminating (a draining pod skews the numbers)."""
+    out = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        conditions = status.get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        if ready and status.get("podIP") and not meta.get("deletionTimestamp"):
+            out.append(PodRef(str(meta.get("name")), str(status["podIP"])))
+    return out
+
+
+class ScrapeReader:
+    """Scrapes pods directly; keeps the previous scrape to turn histogram counters into rates."""
+
+    def __init__(self, client: httpx.AsyncClient, port: int = names.HTTP_PORT, concurrency: int = 16):
+        self._client = client
+        self._port = port
+        self._limit = asyncio.Semaphore(concurrency)
+        self._previous: dict[str, dict[str, PodMetrics]] = {}
+
+    async def _scrape(self, pod: PodRef) -> PodMetrics | None:
+        async with self._limit:
+            try:
+                response = await self._client.get(f"http://{pod.ip}:{self._port}{names.METRICS_PATH}")
+                response.raise_for_status()
+            except httpx.HTTPError:
+                return None  # one unreachable pod must not stall the decision for the others
+        return pod_metrics(pod.name, response.text)
+
+    async def read(self, pods: dict[str, list[PodRef]]) -> dict[str, RoleMetrics]:
+        out: dict[str, RoleMetrics] = {}
+        for role, refs in pods.items():
+            scraped = await asyncio.gather(*(self._scrape(p) for p in refs))
+            current = [p for p in scraped if p is not None]
+            out[role] = role_metrics(current, self._previous.get(role, {}))
+            self._previous[role] = {p.pod: p for p in current}
+        return out
+
+
+class PrometheusReader:
+    """Reads the same signals with PromQL; assumes the usual `namespace` and `pod` target labels."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, window: str = "2m"):
+        self._client = client
+        self._url = url.rstrip("/")
+        self._window = window
+
+    async def _query(self, promql: str) -> float | None:
+        try:
+            response = await self._client.get(f"{self._url}/api/v1/query", params={"query": promql})
+            response.raise_for_status()
+            result = response.json()["data"]["result"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if value != value else value  # NaN: no samples in the window
+
+    async def read_role(self, namespace: str, instance: str, role: str) -> RoleMetrics:
+        match = f'namespace="{namespace}",pod=~"{names.role_name(instance, role)}-[a-z0-9]+-[a-z0-9]+"'
+        hist = m.TIME_TO_FIRST_TOKEN_SECONDS if role == names.PREFILL else m.INTER_TOKEN_LATENCY_SECONDS
+        p95 = f"histogram_quantile(0.95, sum by (le) (rate({hist}_bucket{{{match}}}[{self._window}])))"
+        pods, queue, kv, latency, handshake = await asyncio.gather(
+            self._query(f"count({m.NUM_QUEUE_REQS}{{{match}}})"),
+            self._query(f"avg({m.NUM_QUEUE_REQS}{{{match}}} + {m.NUM_RUNNING_REQS}{{{match}}})"),
+            self._query(f"avg({m.KV_CACHE_USAGE}{{{match}}})"),
+            self._query(p95),
+            self._query(f"max({m.KV_HANDSHAKE_OK}{{{match}}})"),
+        )
+        return RoleMetrics(
+            pods=int(pods or 0),
+            queue_per_replica=queue,
+            kv_utilization=kv,
+            ttft_p95_s=latency if role == names.PREFILL else None,
+            itl_p95_s=latency if role == names.DECODE else None,
+            handshake_ok=None if handshake is None or role != names.DECODE else handshake >= 1,
+        )
+
+    async def read(self, namespace: str, instance: str) -> dict[str, RoleMetrics]:
+        roles = names.WORKER_ROLES
+        results = await asyncio.gather(*(self.read_role(namespace, instance, r) for r in roles))
+        return dict(zip(roles, results, strict=True))

@@ -1,0 +1,89 @@
+"""Names, labels and ports shared by every child manifest and by the worker contract.
+
+The worker ports and paths here are the contract the `tandem serve` and `tandem router`
+servers implement; docs/operator.md lists them for the engine side.
+"""
+
+from __future__ import annotations
+
+GROUP = "tandem.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAME = "tisvc"
+
+FIELD_MANAGER = "tandem-operator"
+MANAGED_BY = "tandem-operator"
+APP_NAME = "tandem"
+
+# Longest CR name whose longest child name ("<name>-prefill-headless" is not used;
+# "<name>-internal-kv" is the longest) still fits a 63-character DNS label.
+MAX_NAME_LENGTH = 40
+
+HTTP_PORT = 8000
+BOOTSTRAP_PORT = 8998
+ENGINE_CONFIG_DIR = "/etc/tandem"
+ENGINE_CONFIG_FILE = "engine.yaml"
+MODEL_MOUNT = "/models"
+
+HEALTH_PATH = "/health"
+READY_PATH = "/health/ready"
+METRICS_PATH = "/metrics"
+DRAIN_PATH = "/drain"
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROUTER = "router"
+WORKER_ROLES = (PREFILL, DECODE)
+ROLES = (PREFILL, DECODE, ROUTER)
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+
+
+def selector_labels(instance: str, role: str | None = None) -> dict[str, str]:
+    """The immutable labels a Deployment selects on; never add mutable values here."""
+    labels = {LABEL_NAME: APP_NAME, LABEL_INSTANCE: instance}
+    if role is not None:
+        labels[LABEL_COMPONENT] = role
+    return labels
+
+
+def standard_labels(instance: str, role: str | None = None) -> dict[str, str]:
+    return {**selector_labels(instance, role), LABEL_PART_OF: APP_NAME, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
+def role_name(instance: str, role: str) -> str:
+    """Deployment, headless Service and PDB name of one role."""
+    return f"{instance}-{role}"
+
+
+def router_service_name(instance: str) -> str:
+    # The client-facing Service carries the plain CR name, so the URL reads naturally.
+    return instance
+
+
+def router_account_name(instance: str) -> str:
+    return f"{instance}-router"
+
+
+def engine_config_name(instance: str) -> str:
+    return f"{instance}-engine"
+
+
+def network_policy_name(instance: str) -> str:
+    return f"{instance}-internal-kv"
+
+
+def service_url(instance: str, namespace: str, port: int) -> str:
+    suffix = "" if port == 80 else f":{port}"
+    return f"http://{instance}.{namespace}.svc.cluster.local{suffix}"

@@ -1,0 +1,95 @@
+"""Pieces shared by the worker and router Deployments: probes, env, pod spec, the Deployment envelope."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.meta import child_meta
+from tandem.operator.spec import ServiceSpec
+from tandem.operator.spec_parts import RoleSpec
+from tandem.operator.template import merge
+
+
+def http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def downward_env() -> list[dict[str, Any]]:
+    fields = (
+        ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_IP", "status.podIP"),
+    )
+    return [{"name": env, "valueFrom": {"fieldRef": {"fieldPath": path}}} for env, path in fields]
+
+
+def drain_command(timeout_s: int) -> list[str]:
+    # The runtime image has python but no curl; POST /drain blocks until in-flight requests finish.
+    script = (
+        "import urllib.request as u;"
+        f"u.urlopen(u.Request('http://127.0.0.1:{names.HTTP_PORT}{names.DRAIN_PATH}', method='POST'),"
+        f" timeout={max(timeout_s, 1)})"
+    )
+    return ["python3", "-c", script]
+
+
+def pod_spec(svc: ServiceSpec, spec: RoleSpec, containers: list[dict[str, Any]],
+             volumes: list[dict[str, Any]], grace_s: int, account: str | None = None) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "containers": containers,
+        "terminationGracePeriodSeconds": grace_s,
+        "enableServiceLinks": False,
+        "topologySpreadConstraints": [{
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": names.selector_labels(svc.name, spec.role)},
+        }],
+    }
+    if volumes:
+        pod["volumes"] = volumes
+    if account:
+        pod["serviceAccountName"] = account
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+    if svc.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s} for s in svc.image_pull_secrets]
+    return pod
+
+
+def deployment(svc: ServiceSpec, spec: RoleSpec, replicas: int, pod: dict[str, Any],
+               annotations: dict[str, str], progress_deadline_s: int) -> dict[str, Any]:
+    """Wrap a pod spec into the role's Deployment, applying the role's template overrides."""
+    selector = names.selector_labels(svc.name, spec.role)
+    template = merge(
+        {"metadata": {"labels": names.standard_labels(svc.name, spec.role), "annotations": annotations},
+         "spec": pod},
+        spec.template,
+    )
+    # Overrides may add labels but must not change the ones the selector matches.
+    template.setdefault("metadata", {}).setdefault("labels", {}).update(selector)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_meta(svc, names.role_name(svc.name, spec.role), spec.role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": svc.rollout.max_surge,
+                    "maxUnavailable": svc.rollout.max_unavailable,
+                },
+            },
+            "revisionHistoryLimit": 5,
+            "progressDeadlineSeconds": progress_deadline_s,
+            "template": template,
+        },
+    }

@@ -1,0 +1,82 @@
+"""reconcile(cr) -> the desired children: pure, idempotent, level-based.
+
+It reads the CR's spec and, when the operator's autoscaler is on, the replica counts
+the autoscaler last persisted in status.autoscaler. Calling it twice on the same CR
+gives the same manifests, which is what makes server-side apply on every trigger
+(create, update, resume, timer) safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.engine_config import engine_configmap
+from tandem.operator.network import disruption_budget, headless_service, kv_network_policy
+from tandem.operator.router import router_deployment, router_rbac, router_service
+from tandem.operator.scaling import clamp, nearest_feasible
+from tandem.operator.spec import ServiceSpec, parse_service
+from tandem.operator.workers import worker_deployment
+
+# Children are applied in this order: config and identities before the pods that use them.
+CHILD_KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "Service"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("apps/v1", "Deployment"),
+)
+
+
+@dataclass(frozen=True)
+class RoleReplicas:
+    prefill: int
+    decode: int
+    router: int
+
+    def of(self, role: str) -> int:
+        return {names.PREFILL: self.prefill, names.DECODE: self.decode, names.ROUTER: self.router}[role]
+
+
+def _autoscaled(svc: ServiceSpec, status: dict[str, Any], role: str) -> int:
+    spec = svc.role(role)
+    state = (status.get("autoscaler") or {}).get(role) or {}
+    count = state.get("replicas")
+    # A change to spec replicas (kubectl edit, `kubectl scale` via /scale) restarts the autoscaler there.
+    if state.get("specReplicas") != spec.replicas or not isinstance(count, int):
+        count = spec.replicas
+    return clamp(count, spec.min_replicas, spec.max_replicas)
+
+
+def desired_replicas(svc: ServiceSpec, status: dict[str, Any] | None) -> RoleReplicas:
+    if not svc.autoscaling.enabled:
+        return RoleReplicas(svc.prefill.replicas, svc.decode.replicas, svc.router.replicas)
+    status = status or {}
+    p, d = _autoscaled(svc, status, names.PREFILL), _autoscaled(svc, status, names.DECODE)
+    auto = svc.autoscaling
+    pair = nearest_feasible(
+        p, d, (svc.prefill.min_replicas, svc.prefill.max_replicas),
+        (svc.decode.min_replicas, svc.decode.max_replicas), auto.ratio_min, auto.ratio_max)
+    p, d = pair if pair is not None else (p, d)
+    return RoleReplicas(p, d, svc.router.replicas)
+
+
+def desired_children(svc: ServiceSpec, replicas: RoleReplicas) -> list[dict[str, Any]]:
+    children: list[dict[str, Any]] = [engine_configmap(svc), *router_rbac(svc)]
+    children += [headless_service(svc, role) for role in names.WORKER_ROLES]
+    children += [router_service(svc), kv_network_policy(svc)]
+    children += [disruption_budget(svc, role) for role in names.ROLES]
+    children += [worker_deployment(svc, role, replicas.of(role)) for role in names.WORKER_ROLES]
+    children.append(router_deployment(svc, replicas.router))
+    order = {kind: pos for pos, kind in enumerate(CHILD_KINDS)}
+    return sorted(children, key=lambda c: order[(c["apiVersion"], c["kind"])])
+
+
+def reconcile(cr: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifests the operator applies for this CR. Raises SpecError for an invalid spec."""
+    svc = parse_service(cr)
+    return desired_children(svc, desired_replicas(svc, cr.get("status")))

@@ -1,0 +1,92 @@
+"""The router: its Deployment, the client-facing Service, and the RBAC it needs to discover worker pods."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.meta import child_meta
+from tandem.operator.pods import deployment, downward_env, drain_command, http_probe, pod_spec
+from tandem.operator.spec import ServiceSpec
+
+ROUTER_DRAIN_S = 30
+
+
+def router_command(svc: ServiceSpec) -> list[str]:
+    return [
+        "tandem", "router",
+        "--host", "0.0.0.0",
+        "--port", str(names.HTTP_PORT),
+        "--prefill-selector", names.selector_string(names.selector_labels(svc.name, names.PREFILL)),
+        "--decode-selector", names.selector_string(names.selector_labels(svc.name, names.DECODE)),
+        "--namespace", svc.namespace,
+        *svc.router.extra_args,
+    ]
+
+
+def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
+    spec = svc.router
+    container = {
+        "name": names.ROUTER,
+        "image": spec.image,
+        "imagePullPolicy": svc.image_pull_policy,
+        "command": router_command(svc),
+        "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
+        "env": downward_env(),
+        "resources": {key: dict(value) for key, value in spec.resources.items() if isinstance(value, dict)},
+        "livenessProbe": http_probe(names.HEALTH_PATH, 10, 3, 3),
+        "readinessProbe": http_probe(names.READY_PATH, 5, 3, 2),
+        "lifecycle": {"preStop": {"exec": {"command": drain_command(ROUTER_DRAIN_S)}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        # The root filesystem is read-only; Python and the HTTP server still want a /tmp.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pod = pod_spec(svc, spec, [container], [{"name": "tmp", "emptyDir": {}}], grace_s=ROUTER_DRAIN_S + 15,
+                   account=names.router_account_name(svc.name))
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(names.HTTP_PORT)}
+    return deployment(svc, spec, replicas, pod, annotations, progress_deadline_s=600)
+
+
+def router_service(svc: ServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_meta(svc, names.router_service_name(svc.name), names.ROUTER),
+        "spec": {
+            "type": svc.router.service_type,
+            "selector": names.selector_labels(svc.name, names.ROUTER),
+            "ports": [{"name": "http", "port": svc.router.service_port, "targetPort": "http",
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def router_rbac(svc: ServiceSpec) -> list[dict[str, Any]]:
+    """Read-only access to pods in its own namespace: all the router needs for discovery."""
+    account = names.router_account_name(svc.name)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": child_meta(svc, account, names.ROUTER),
+            "automountServiceAccountToken": True,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": child_meta(svc, account, names.ROUTER),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": child_meta(svc, account, names.ROUTER),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": svc.namespace}],
+        },
+    ]

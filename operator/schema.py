@@ -1,0 +1,283 @@
+"""The openAPIV3Schema of the InferenceService spec.
+
+This is the single source of the spec's defaults: the API server applies them on
+admission, and `defaults.apply_defaults` applies the same ones to a CR that did not
+pass through an API server (`tandem operator render`, test emulators).
+Objects that carry nested defaults default to `{}` so that those nested defaults apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.operator.schema_status import STATUS_SCHEMA
+
+Schema = dict[str, Any]
+
+
+def obj(props: dict[str, Schema], *, required: tuple[str, ...] = (), default: Any = None,
+        rules: tuple[tuple[str, str], ...] = (), desc: str = "") -> Schema:
+    out: Schema = {"type": "object", "properties": props}
+    if required:
+        out["required"] = list(required)
+    if default is not None:
+        out["default"] = default
+    if rules:
+        out["x-kubernetes-validations"] = [{"rule": rule, "message": msg} for rule, msg in rules]
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def integer(minimum: int | None = None, maximum: int | None = None, default: int | None = None,
+            desc: str = "") -> Schema:
+    out: Schema = {"type": "integer", "format": "int32"}
+    for key, value in (("minimum", minimum), ("maximum", maximum), ("default", default)):
+        if value is not None:
+            out[key] = value
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def number(minimum: float | None = None, maximum: float | None = None, default: float | None = None,
+           desc: str = "", exclusive_min: bool = False) -> Schema:
+    out: Schema = {"type": "number"}
+    for key, value in (("minimum", minimum), ("maximum", maximum), ("default", default)):
+        if value is not None:
+            out[key] = value
+    if exclusive_min:
+        out["exclusiveMinimum"] = True
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def string(*, enum: tuple[str, ...] = (), default: str | None = None, max_length: int | None = None,
+           min_length: int | None = None, desc: str = "") -> Schema:
+    out: Schema = {"type": "string"}
+    if enum:
+        out["enum"] = list(enum)
+    if default is not None:
+        out["default"] = default
+    if max_length is not None:
+        out["maxLength"] = max_length
+    if min_length is not None:
+        out["minLength"] = min_length
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def boolean(default: bool | None = None, desc: str = "") -> Schema:
+    out: Schema = {"type": "boolean"}
+    if default is not None:
+        out["default"] = default
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def string_map(desc: str = "") -> Schema:
+    return {"type": "object", "additionalProperties": {"type": "string"}, "description": desc}
+
+
+def int_or_string(default: Any = None, desc: str = "") -> Schema:
+    out: Schema = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
+    if default is not None:
+        out["default"] = default
+    if desc:
+        out["description"] = desc
+    return out
+
+
+def free_form(desc: str) -> Schema:
+    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "description": desc}
+
+
+QUANTITY_MAP: Schema = {"type": "object", "additionalProperties": int_or_string()}
+
+RESOURCES = obj(
+    {"limits": QUANTITY_MAP, "requests": QUANTITY_MAP},
+    desc="Container resources. GPUs are `nvidia.com/gpu`; when unset on a worker the operator "
+    "requests tensorParallelSize GPUs.",
+)
+
+TOLERATION = obj({
+    "key": string(),
+    "operator": string(enum=("Exists", "Equal")),
+    "value": string(),
+    "effect": string(enum=("NoSchedule", "PreferNoSchedule", "NoExecute")),
+    "tolerationSeconds": {"type": "integer", "format": "int64"},
+})
+
+
+def role_schema(role: str, *, worker: bool) -> Schema:
+    props: dict[str, Schema] = {
+        "replicas": integer(0, 1000, 1, f"Initial (or, without autoscaling, fixed) number of {role} pods."),
+        "minReplicas": integer(0, 1000, 1, "Lower bound for the autoscaler."),
+        "maxReplicas": integer(1, 1000, 8, "Upper bound for the autoscaler."),
+        "image": string(desc="Overrides spec.image for this role."),
+        "resources": RESOURCES,
+        "nodeSelector": string_map("Node labels the pods must match."),
+        "tolerations": {"type": "array", "items": TOLERATION},
+        "extraArgs": {"type": "array", "items": {"type": "string"},
+                      "description": "Appended to the command."},
+        "template": free_form(
+            "Pod template overrides ({metadata, spec}), merged onto the generated template: "
+            "maps merge recursively, lists of named items (containers, env, volumes, ...) merge by name."
+        ),
+    }
+    if worker:
+        props["tensorParallelSize"] = integer(1, 64, 1, "GPUs per pod that one model replica spans.")
+        props["drainTimeoutSeconds"] = integer(
+            0, 3600, 120, "How long preStop waits for in-flight requests; the grace period adds 30 s.")
+        props["startupTimeoutSeconds"] = integer(30, 7200, 900, "Model load budget before liveness applies.")
+    else:
+        props["tensorParallelSize"] = integer(1, 1, 1, "The router runs no model.")
+        props["serviceType"] = string(enum=("ClusterIP", "NodePort", "LoadBalancer"), default="ClusterIP")
+        props["servicePort"] = integer(1, 65535, 80, "Port of the client-facing Service.")
+    return obj(props, default={}, rules=(
+        ("self.minReplicas <= self.maxReplicas", f"{role}.minReplicas must not exceed {role}.maxReplicas"),
+    ))
+
+
+MODEL = obj(
+    {
+        "servedName": string(min_length=1, max_length=128, desc="Model name clients send in requests."),
+        "pvc": obj({
+            "claimName": string(min_length=1, max_length=253),
+            "path": string(default="", desc="Directory of the model inside the claim."),
+        }, required=("claimName",)),
+        "hostPath": obj({"path": string(min_length=1, desc="Absolute model directory on the node.")},
+                        required=("path",)),
+        "uri": string(desc="Reserved for a later release (hf://, s3://); rejected by the operator today."),
+    },
+    required=("servedName",),
+    rules=((
+        "[has(self.pvc), has(self.hostPath), has(self.uri)].filter(x, x).size() == 1",
+        "model needs exactly one of pvc, hostPath or uri",
+    ),),
+)
+
+ENGINE = obj(
+    {
+        "pageSize": integer(1, 1024, desc="Tokens per KV page (SGLang page_size)."),
+        "chunkedPrefillSize": integer(-1, 1048576, desc="Prefill chunk in tokens; -1 disables chunking."),
+        "maxPrefillTokens": integer(1, 1048576),
+        "maxTotalTokens": integer(1, 134217728),
+        "maxRunningRequests": integer(1, 65536),
+        "schedulePolicy": string(enum=("fcfs", "lpm", "dfs-weight", "lof", "random")),
+        "disableOverlapSchedule": boolean(),
+        "enableMixedChunk": boolean(),
+        "disableRadixCache": boolean(),
+        "dtype": string(enum=("auto", "float16", "bfloat16", "float32", "half")),
+        "memFractionStatic": number(0.05, 0.99),
+        "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                  "description": "Further engine args, written to engine.yaml as given (snake_case keys)."},
+    },
+    default={},
+    desc="Engine args, written to /etc/tandem/engine.yaml in SGLang's snake_case names.",
+)
+
+KV_TRANSFER = obj(
+    {
+        "backend": string(enum=("nixl",), default="nixl"),
+        "ucx": obj({
+            "transports": {"type": "array", "items": {"type": "string"},
+                           "description": "UCX_TLS, e.g. [rc, cuda_copy, cuda_ipc]; empty lets UCX choose."},
+            "devices": {"type": "array", "items": {"type": "string"},
+                        "description": "UCX_NET_DEVICES, e.g. [mlx5_0:1]; empty lets UCX choose."},
+        }, default={}),
+        "portBase": integer(1024, 64000, 17000, "First KV/ZMQ port; the range is kept in-namespace."),
+        "portCount": integer(1, 1024, 64),
+    },
+    default={},
+)
+
+
+def scaling_rule(role: str) -> Schema:
+    return obj({
+        "signal": string(enum=("queueDepth", "kvUtilization", "ttftP95", "itlP95"),
+                         default="queueDepth" if role == "prefill" else "kvUtilization"),
+        "target": number(0, exclusive_min=True, desc=(
+            "Per-replica target: queued requests, KV fraction (0..1) or seconds. Defaults: "
+            "queueDepth 4 (requests waiting or running per pod), kvUtilization 0.75, "
+            "latency signals the matching spec.slo target.")),
+    }, default={})
+
+
+def step_rules(stabilization: int, cooldown: int, step: int) -> Schema:
+    return obj({
+        "stabilizationWindowSeconds": integer(0, 3600, stabilization),
+        "cooldownSeconds": integer(0, 3600, cooldown),
+        "maxStep": integer(1, 100, step, "Most pods added or removed per role in one decision."),
+    }, default={})
+
+
+AUTOSCALING = obj(
+    {
+        "enabled": boolean(False),
+        "metricsSource": obj({
+            "type": string(enum=("scrape", "prometheus"), default="scrape"),
+            "prometheusUrl": string(desc="e.g. http://prometheus-operated.monitoring:9090"),
+        }, default={}, rules=((
+            "self.type != 'prometheus' || has(self.prometheusUrl)",
+            "metricsSource.prometheusUrl is required when type is prometheus",
+        ),)),
+        "prefill": scaling_rule("prefill"),
+        "decode": scaling_rule("decode"),
+        "tolerance": number(0, 1, 0.1, "Relative deviation from target ignored as noise."),
+        "ratio": obj({
+            "min": number(0.01, 100, 0.25, exclusive_min=False, desc="Lowest prefill:decode pod ratio."),
+            "max": number(0.01, 100, 4.0, desc="Highest prefill:decode pod ratio."),
+        }, default={}, rules=(("self.min <= self.max", "autoscaling.ratio.min must not exceed ratio.max"),)),
+        "scaleUp": step_rules(30, 60, 2),
+        "scaleDown": step_rules(300, 180, 1),
+    },
+    default={},
+)
+
+SLO = obj({
+    "ttftP95Seconds": number(0, exclusive_min=True, desc="Target p95 time to first token."),
+    "itlP95Seconds": number(0, exclusive_min=True, desc="Target p95 inter-token latency."),
+}, default={})
+
+ROLLOUT = obj({
+    "maxSurge": int_or_string(1),
+    "maxUnavailable": int_or_string(0, "0 by default so a rollout never drops serving capacity."),
+}, default={})
+
+SPEC_SCHEMA = obj(
+    {
+        "model": MODEL,
+        "image": string(min_length=1, desc="Runtime image with the `tandem` console script."),
+        "imagePullPolicy": string(enum=("Always", "IfNotPresent", "Never"), default="IfNotPresent"),
+        "imagePullSecrets": {"type": "array", "items": obj({"name": string()}, required=("name",))},
+        "engine": ENGINE,
+        "prefill": role_schema("prefill", worker=True),
+        "decode": role_schema("decode", worker=True),
+        "router": role_schema("router", worker=False),
+        "kvTransfer": KV_TRANSFER,
+        "autoscaling": AUTOSCALING,
+        "slo": SLO,
+        "rollout": ROLLOUT,
+    },
+    required=("model", "image"),
+)
+
+ROOT_SCHEMA: Schema = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": SPEC_SCHEMA,
+        "status": STATUS_SCHEMA,
+    },
+    "x-kubernetes-validations": [{
+        "rule": "self.metadata.name.size() <= 40",
+        "message": "metadata.name must be at most 40 characters so child names fit DNS labels",
+    }],
+}

@@ -1,0 +1,102 @@
+"""Typed, validated view of an InferenceService: frozen dataclasses built once per reconcile.
+
+`parse_service` applies the schema defaults, then checks what the openAPI schema and
+its CEL rules cannot express (or what a CR that skipped admission may violate).
+Any problem raises `SpecError` with every message at once, which the operator turns
+into a Degraded condition instead of a crash loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.defaults import default_spec
+from tandem.operator.spec_parts import (
+    AutoscalingSpec,
+    KvTransfer,
+    ModelSource,
+    RoleSpec,
+    Rollout,
+    SloSpec,
+    SpecError,
+    parse_autoscaling,
+    parse_engine_args,
+    parse_kv,
+    parse_model,
+    parse_role,
+    parse_rollout,
+    parse_slo,
+)
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+__all__ = ["ServiceSpec", "SpecError", "parse_service"]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    model: ModelSource
+    image: str
+    image_pull_policy: str
+    image_pull_secrets: tuple[str, ...]
+    engine_args: dict[str, Any]  # snake_case, as written to engine.yaml
+    prefill: RoleSpec
+    decode: RoleSpec
+    router: RoleSpec
+    kv: KvTransfer
+    autoscaling: AutoscalingSpec
+    slo: SloSpec
+    rollout: Rollout
+
+    def role(self, role: str) -> RoleSpec:
+        return {names.PREFILL: self.prefill, names.DECODE: self.decode, names.ROUTER: self.router}[role]
+
+
+def parse_service(cr: dict[str, Any]) -> ServiceSpec:
+    meta = cr.get("metadata") or {}
+    raw = cr.get("spec")
+    if not isinstance(raw, dict):
+        raise SpecError(["spec is missing"])
+    spec = default_spec(raw)
+    errors: list[str] = []
+    name = str(meta.get("name", ""))
+    if not _DNS_LABEL.match(name) or len(name) > names.MAX_NAME_LENGTH:
+        errors.append(f"metadata.name {name!r} must be a DNS label of at most {names.MAX_NAME_LENGTH} chars")
+    image = spec.get("image")
+    if not isinstance(image, str) or not image:
+        errors.append("spec.image is required")
+    model = parse_model(spec.get("model"), errors)
+    slo = parse_slo(spec["slo"], errors)
+    roles = {role: parse_role(role, spec[role], str(image or ""), errors) for role in names.ROLES}
+    autoscaling = parse_autoscaling(spec["autoscaling"], slo, roles[names.PREFILL], roles[names.DECODE],
+                                    errors)
+    engine_args = parse_engine_args(spec["engine"], errors)
+    kv = parse_kv(spec["kvTransfer"], errors)
+    rollout = parse_rollout(spec["rollout"], errors)
+    if errors or model is None or autoscaling is None:
+        raise SpecError(errors or ["spec is invalid"])
+    return ServiceSpec(
+        name=name,
+        namespace=str(meta.get("namespace") or "default"),
+        uid=str(meta.get("uid") or ""),
+        generation=int(meta.get("generation") or 0),
+        model=model,
+        image=str(image),
+        image_pull_policy=str(spec["imagePullPolicy"]),
+        image_pull_secrets=tuple(str(s.get("name")) for s in spec.get("imagePullSecrets") or ()),
+        engine_args=engine_args,
+        prefill=roles[names.PREFILL],
+        decode=roles[names.DECODE],
+        router=roles[names.ROUTER],
+        kv=kv,
+        autoscaling=autoscaling,
+        slo=slo,
+        rollout=rollout,
+    )

@@ -1,0 +1,300 @@
+"""The parts of a ServiceSpec and their parsers; each parser appends problems to `errors`.
+
+Parsers take the already-defaulted spec sections, so every key with a schema default
+is present; type checks remain because a CR that skipped admission may hold anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator import names
+
+GPU = "nvidia.com/gpu"
+DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}
+
+# CRD camelCase field -> SGLang server-arg name written to engine.yaml.
+ENGINE_ARG_NAMES = {
+    "pageSize": "page_size",
+    "chunkedPrefillSize": "chunked_prefill_size",
+    "maxPrefillTokens": "max_prefill_tokens",
+    "maxTotalTokens": "max_total_tokens",
+    "maxRunningRequests": "max_running_requests",
+    "schedulePolicy": "schedule_policy",
+    "disableOverlapSchedule": "disable_overlap_schedule",
+    "enableMixedChunk": "enable_mixed_chunk",
+    "disableRadixCache": "disable_radix_cache",
+    "dtype": "dtype",
+    "memFractionStatic": "mem_fraction_static",
+}
+
+
+class SpecError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    served_name: str
+    pvc_claim: str | None
+    pvc_path: str
+    host_path: str | None
+
+    @property
+    def container_path(self) -> str:
+        sub = self.pvc_path.strip("/") if self.pvc_claim else ""
+        return f"{names.MODEL_MOUNT}/{sub}" if sub else names.MODEL_MOUNT
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    role: str
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    image: str
+    resources: dict[str, Any]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    extra_args: tuple[str, ...]
+    template: dict[str, Any]
+    tensor_parallel_size: int
+    drain_timeout_s: int
+    startup_timeout_s: int
+    service_type: str
+    service_port: int
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    backend: str
+    transports: tuple[str, ...]
+    devices: tuple[str, ...]
+    port_base: int
+    port_count: int
+
+
+@dataclass(frozen=True)
+class ScalingRule:
+    signal: str
+    target: float
+
+
+@dataclass(frozen=True)
+class StepRule:
+    stabilization_s: int
+    cooldown_s: int
+    max_step: int
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool
+    source: str
+    prometheus_url: str | None
+    prefill: ScalingRule
+    decode: ScalingRule
+    tolerance: float
+    ratio_min: float
+    ratio_max: float
+    up: StepRule
+    down: StepRule
+
+
+@dataclass(frozen=True)
+class SloSpec:
+    ttft_p95_s: float | None
+    itl_p95_s: float | None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    max_surge: int | str
+    max_unavailable: int | str
+
+
+def _int(value: Any, where: str, errors: list[str], lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        errors.append(f"{where} must be an integer >= {lo}, got {value!r}")
+        return lo
+    return value
+
+
+def _num(value: Any, where: str, errors: list[str]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        errors.append(f"{where} must be a positive number, got {value!r}")
+        return 1.0
+    return float(value)
+
+
+def parse_model(raw: Any, errors: list[str]) -> ModelSource | None:
+    if not isinstance(raw, dict) or not raw.get("servedName"):
+        errors.append("spec.model.servedName is required")
+        return None
+    sources = [key for key in ("pvc", "hostPath", "uri") if raw.get(key)]
+    if len(sources) != 1:
+        errors.append("spec.model needs exactly one of pvc, hostPath or uri")
+        return None
+    if sources == ["uri"]:
+        errors.append("spec.model.uri is reserved for a later release; use model.pvc or model.hostPath")
+        return None
+    pvc, host = raw.get("pvc") or {}, raw.get("hostPath") or {}
+    if sources == ["pvc"] and not pvc.get("claimName"):
+        errors.append("spec.model.pvc.claimName is required")
+    if sources == ["hostPath"] and not str(host.get("path", "")).startswith("/"):
+        errors.append("spec.model.hostPath.path must be an absolute path")
+    return ModelSource(
+        served_name=str(raw["servedName"]),
+        pvc_claim=str(pvc["claimName"]) if pvc.get("claimName") else None,
+        pvc_path=str(pvc.get("path") or ""),
+        host_path=str(host["path"]) if host.get("path") else None,
+    )
+
+
+def _gpu_limit(resources: dict[str, Any]) -> int | None:
+    value = (resources.get("limits") or {}).get(GPU)
+    try:
+        return None if value is None else int(str(value))
+    except ValueError:
+        return None
+
+
+def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) -> RoleSpec:
+    where = f"spec.{role}"
+    spec = RoleSpec(
+        role=role,
+        replicas=_int(raw["replicas"], f"{where}.replicas", errors),
+        min_replicas=_int(raw["minReplicas"], f"{where}.minReplicas", errors),
+        max_replicas=_int(raw["maxReplicas"], f"{where}.maxReplicas", errors, lo=1),
+        image=str(raw.get("image") or image),
+        resources=dict(raw.get("resources") or {}),
+        node_selector={str(k): str(v) for k, v in (raw.get("nodeSelector") or {}).items()},
+        tolerations=tuple(raw.get("tolerations") or ()),
+        extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
+        template=dict(raw.get("template") or {}),
+        tensor_parallel_size=_int(raw["tensorParallelSize"], f"{where}.tensorParallelSize", errors, lo=1),
+        drain_timeout_s=int(raw.get("drainTimeoutSeconds", 0)),
+        startup_timeout_s=int(raw.get("startupTimeoutSeconds", 60)),
+        service_type=str(raw.get("serviceType", "ClusterIP")),
+        service_port=int(raw.get("servicePort", 80)),
+    )
+    if spec.min_replicas > spec.max_replicas:
+        errors.append(f"{where}.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})")
+    gpus = _gpu_limit(spec.resources)
+    if role != names.ROUTER and gpus is not None and 0 < gpus < spec.tensor_parallel_size:
+        errors.append(f"{where}: {GPU} limit {gpus} is below tensorParallelSize {spec.tensor_parallel_size}")
+    return spec
+
+
+def _rule(role: str, raw: dict[str, Any], slo: SloSpec, errors: list[str]) -> ScalingRule:
+    signal = str(raw.get("signal"))
+    target = raw.get("target")
+    if target is None:
+        latency = {"ttftP95": slo.ttft_p95_s, "itlP95": slo.itl_p95_s}
+        target = DEFAULT_TARGETS.get(signal, latency.get(signal))
+    if target is None:
+        errors.append(f"spec.autoscaling.{role}: signal {signal} needs a target or a spec.slo target")
+        target = 1.0
+    if signal == "kvUtilization" and not 0 < float(target) <= 1:
+        errors.append(f"spec.autoscaling.{role}.target for kvUtilization must be in (0, 1]")
+    return ScalingRule(signal=signal, target=_num(target, f"spec.autoscaling.{role}.target", errors))
+
+
+def _steps(raw: dict[str, Any]) -> StepRule:
+    return StepRule(int(raw["stabilizationWindowSeconds"]), int(raw["cooldownSeconds"]), int(raw["maxStep"]))
+
+
+def ratio_feasible(prefill: RoleSpec, decode: RoleSpec, lo: float, hi: float) -> bool:
+    """Whether some pair of counts inside both roles' bounds keeps lo <= P/D <= hi."""
+    for d in range(max(decode.min_replicas, 1), decode.max_replicas + 1):
+        for p in range(max(prefill.min_replicas, 1), prefill.max_replicas + 1):
+            if ratio_ok(p, d, lo, hi):
+                return True
+    return False
+
+
+def ratio_ok(prefill: int, decode: int, lo: float, hi: float) -> bool:
+    # The epsilon keeps e.g. 3 / 12 == 0.25 inside a [0.25, ...] range despite float rounding.
+    return decode > 0 and lo - 1e-9 <= prefill / decode <= hi + 1e-9
+
+
+def parse_autoscaling(raw: dict[str, Any], slo: SloSpec, prefill: RoleSpec, decode: RoleSpec,
+                      errors: list[str]) -> AutoscalingSpec:
+    source = raw["metricsSource"]
+    ratio = raw["ratio"]
+    spec = AutoscalingSpec(
+        enabled=bool(raw["enabled"]),
+        source=str(source["type"]),
+        prometheus_url=source.get("prometheusUrl"),
+        prefill=_rule(names.PREFILL, raw["prefill"], slo, errors),
+        decode=_rule(names.DECODE, raw["decode"], slo, errors),
+        tolerance=float(raw["tolerance"]),
+        ratio_min=_num(ratio["min"], "spec.autoscaling.ratio.min", errors),
+        ratio_max=_num(ratio["max"], "spec.autoscaling.ratio.max", errors),
+        up=_steps(raw["scaleUp"]),
+        down=_steps(raw["scaleDown"]),
+    )
+    if spec.source == "prometheus" and not spec.prometheus_url:
+        errors.append("spec.autoscaling.metricsSource.prometheusUrl is required for type prometheus")
+    if not spec.enabled:
+        return spec
+    if spec.ratio_min > spec.ratio_max:
+        errors.append("spec.autoscaling.ratio.min exceeds ratio.max")
+    for role in (prefill, decode):
+        if role.min_replicas < 1:
+            errors.append(f"spec.{role.role}.minReplicas must be >= 1 when autoscaling is enabled")
+    if not errors and not ratio_feasible(prefill, decode, spec.ratio_min, spec.ratio_max):
+        errors.append(
+            f"no prefill/decode counts within the replica bounds keep the P:D ratio in "
+            f"[{spec.ratio_min}, {spec.ratio_max}]"
+        )
+    return spec
+
+
+def parse_slo(raw: dict[str, Any], errors: list[str]) -> SloSpec:
+    ttft, itl = raw.get("ttftP95Seconds"), raw.get("itlP95Seconds")
+    return SloSpec(
+        ttft_p95_s=None if ttft is None else _num(ttft, "spec.slo.ttftP95Seconds", errors),
+        itl_p95_s=None if itl is None else _num(itl, "spec.slo.itlP95Seconds", errors),
+    )
+
+
+def parse_engine_args(raw: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+    args = {ENGINE_ARG_NAMES[key]: value for key, value in raw.items() if key in ENGINE_ARG_NAMES}
+    unknown = sorted(set(raw) - set(ENGINE_ARG_NAMES) - {"extra"})
+    if unknown:
+        errors.append(f"spec.engine has unknown fields {unknown}; put other engine args under engine.extra")
+    extra = raw.get("extra") or {}
+    clash = sorted(set(extra) & set(args))
+    if clash:
+        errors.append(f"spec.engine.extra repeats typed args {clash}")
+    return {**args, **extra}
+
+
+def parse_kv(raw: dict[str, Any], errors: list[str]) -> KvTransfer:
+    ucx = raw.get("ucx") or {}
+    kv = KvTransfer(
+        backend=str(raw["backend"]),
+        transports=tuple(str(t) for t in ucx.get("transports") or ()),
+        devices=tuple(str(d) for d in ucx.get("devices") or ()),
+        port_base=_int(raw["portBase"], "spec.kvTransfer.portBase", errors, lo=1024),
+        port_count=_int(raw["portCount"], "spec.kvTransfer.portCount", errors, lo=1),
+    )
+    if kv.backend != "nixl":
+        errors.append(f"spec.kvTransfer.backend {kv.backend!r} is not supported; use nixl")
+    overlap = kv.port_base <= names.HTTP_PORT < kv.port_base + kv.port_count
+    if overlap or kv.port_base <= names.BOOTSTRAP_PORT < kv.port_base + kv.port_count:
+        errors.append("spec.kvTransfer port range overlaps the http (8000) or bootstrap (8998) port")
+    if kv.port_base + kv.port_count > 65536:
+        errors.append("spec.kvTransfer port range runs past 65535")
+    return kv
+
+
+def parse_rollout(raw: dict[str, Any], errors: list[str]) -> Rollout:
+    rollout = Rollout(max_surge=raw["maxSurge"], max_unavailable=raw["maxUnavailable"])
+    if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
+        errors.append("spec.rollout: maxSurge and maxUnavailable cannot both be 0")
+    return rollout

@@ -1,0 +1,161 @@
+"""Status from observed children: per-role counts, conditions, URL and SLO attainment. Pure.
+
+Decode pods turn ready only after a KV handshake with a prefill pod (workers.py), so
+`Ready` = prefill, decode and router each have a ready pod, and no decode metrics say
+the handshake is down: a real prefill -> decode path exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.conditions import Condition, merge_conditions
+from tandem.operator.reconcile import RoleReplicas
+from tandem.operator.spec import ServiceSpec
+
+
+@dataclass(frozen=True)
+class RoleObserved:
+    exists: bool = False
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    current_generation: bool = False  # the Deployment controller has seen the latest spec
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the autoscaler read from worker metrics this round (None: not available)."""
+
+    ttft_p95_s: float | None = None
+    itl_p95_s: float | None = None
+    handshake_ok: bool | None = None
+
+
+@dataclass(frozen=True)
+class ScalingReport:
+    active: bool
+    reason: str
+    message: str
+
+
+def observe_deployment(dep: dict[str, Any] | None) -> RoleObserved:
+    if not dep:
+        return RoleObserved()
+    status = dep.get("status") or {}
+    generation = (dep.get("metadata") or {}).get("generation")
+    seen = status.get("observedGeneration")
+    return RoleObserved(
+        exists=True,
+        replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+        current_generation=generation is None or (seen is not None and seen >= generation),
+    )
+
+
+def _role_condition(role: str, obs: RoleObserved, desired: int) -> Condition:
+    kind = f"{role.capitalize()}Ready"
+    if not obs.exists:
+        return Condition(kind, "False", "NotCreated", f"the {role} Deployment does not exist yet")
+    if desired == 0:
+        return Condition(kind, "False", "ScaledToZero", f"{role} has 0 desired pods")
+    note = " (decode readiness includes a KV handshake with a prefill pod)" if role == names.DECODE else ""
+    message = f"{obs.ready}/{desired} {role} pods ready{note}"
+    return Condition(kind, "True" if obs.ready > 0 else "False",
+                     "PodsReady" if obs.ready > 0 else "NoReadyPods", message)
+
+
+def _ready_condition(roles: dict[str, Condition], measured: Measured) -> Condition:
+    for role in names.ROLES:
+        cond = roles[role]
+        if cond.status != "True":
+            return Condition("Ready", "False", f"{role.capitalize()}NotReady", cond.message)
+    if measured.handshake_ok is False:
+        return Condition("Ready", "False", "KVHandshakeFailed",
+                         "decode pods report no successful KV handshake with any prefill pod")
+    return Condition("Ready", "True", "PrefillDecodePathReady",
+                     "router, prefill and decode are ready and a decode pod completed a KV handshake")
+
+
+def _progress(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved]) -> list[str]:
+    behind = []
+    for role in names.ROLES:
+        obs, want = observed[role], desired.of(role)
+        if not obs.exists or not obs.current_generation or obs.updated < want or obs.replicas != want:
+            behind.append(f"{role} {obs.updated}/{want} updated")
+    return behind
+
+
+def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
+                     measured: Measured, scaling: ScalingReport) -> list[Condition]:
+    roles = {role: _role_condition(role, observed[role], desired.of(role)) for role in names.ROLES}
+    behind = _progress(svc, desired, observed)
+    progressing = (Condition("Progressing", "True", "RollingOut", "; ".join(behind)) if behind
+                   else Condition("Progressing", "False", "Stable", "all roles are at their desired spec"))
+    short = [r for r in names.ROLES if observed[r].ready < desired.of(r)]
+    if not behind and short:
+        degraded = Condition("Degraded", "True", "ReplicasUnavailable",
+                             "fewer ready pods than desired: " + ", ".join(short))
+    else:
+        degraded = Condition("Degraded", "False", "AsExpected", "")
+    return [
+        roles[names.PREFILL], roles[names.DECODE], roles[names.ROUTER],
+        _ready_condition(roles, measured), progressing, degraded,
+        Condition("ScalingActive", "True" if scaling.active else "False", scaling.reason, scaling.message),
+    ]
+
+
+def _slo_status(svc: ServiceSpec, measured: Measured, now: str) -> dict[str, Any]:
+    slo: dict[str, Any] = {}
+    for key, value, target in (("ttft", measured.ttft_p95_s, svc.slo.ttft_p95_s),
+                               ("itl", measured.itl_p95_s, svc.slo.itl_p95_s)):
+        if target is not None:
+            slo[f"{key}TargetSeconds"] = target
+        if value is not None:
+            slo[f"{key}P95Seconds"] = round(value, 6)
+            if target is not None:
+                slo[f"{key}Attained"] = value <= target
+    if measured.ttft_p95_s is not None or measured.itl_p95_s is not None:
+        slo["measuredAt"] = now
+    return slo
+
+
+def build_status(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
+                 measured: Measured, scaling: ScalingReport, previous: dict[str, Any],
+                 now: str) -> dict[str, Any]:
+    conditions = build_conditions(svc, desired, observed, measured, scaling)
+    status: dict[str, Any] = {
+        "url": names.service_url(svc.name, svc.namespace, svc.router.service_port),
+        "observedGeneration": svc.generation,
+        "conditions": merge_conditions(previous.get("conditions") or [], conditions, now, svc.generation),
+    }
+    for role in names.ROLES:
+        obs = observed[role]
+        status[role] = {
+            "desiredReplicas": desired.of(role),
+            "replicas": obs.replicas,
+            "readyReplicas": obs.ready,
+            "updatedReplicas": obs.updated,
+            "selector": names.selector_string(names.selector_labels(svc.name, role)),
+        }
+    slo = _slo_status(svc, measured, now)
+    if slo:
+        status["slo"] = slo
+    return status
+
+
+def invalid_status(previous: dict[str, Any], generation: int, reason: str, message: str,
+                   now: str) -> dict[str, Any]:
+    """Status for a spec the operator cannot act on: Degraded with the reason, children left as they are."""
+    conditions = [
+        Condition("Ready", "False", reason, message),
+        Condition("Degraded", "True", reason, message),
+        Condition("Progressing", "False", reason, "waiting for a corrected spec"),
+    ]
+    return {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(previous.get("conditions") or [], conditions, now, generation),
+    }

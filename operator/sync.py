@@ -1,0 +1,140 @@
+"""One level-based pass over an InferenceService: the only code the kopf handlers call.
+
+  parse spec -> (timer: read metrics, autoscale) -> reconcile -> server-side apply
+  -> prune strays -> read Deployments -> status
+
+Errors: an invalid spec or a rejected manifest gives a Degraded status and
+kopf.PermanentError; conflicts, throttling and API outages give kopf.TemporaryError.
+The status to write is returned even when an error follows, so the caller can
+patch it before raising.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import kopf
+
+from tandem.operator import names
+from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
+from tandem.operator.kubeapi import ApiError, KubeApi
+from tandem.operator.meta import is_owned_by
+from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
+from tandem.operator.spec import ServiceSpec, SpecError, parse_service
+from tandem.operator.status import ScalingReport, build_status, invalid_status, observe_deployment
+
+RETRY_DELAY_S = 10
+# The timer skips re-applying an unchanged set of children for this long; create, update
+# and resume always apply, and a missing Deployment triggers an apply at once.
+RESYNC_S = 300.0
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    status: dict[str, Any]
+    error: kopf.TemporaryError | kopf.PermanentError | None = None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _failed(cr: dict[str, Any], reason: str, message: str, error: Exception) -> SyncResult:
+    meta, previous = cr.get("metadata") or {}, cr.get("status") or {}
+    status = invalid_status(previous, int(meta.get("generation") or 0), reason, message, _now())
+    return SyncResult(status, error)  # type: ignore[arg-type]
+
+
+def _fingerprint(children: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
+
+
+async def _apply_all(api: KubeApi, children: list[dict[str, Any]], memory: ServiceMemory,
+                     force: bool) -> None:
+    fingerprint, now = _fingerprint(children), time.monotonic()
+    if not force and fingerprint == memory.applied and now - memory.applied_at < RESYNC_S:
+        return
+    for child in children:
+        await api.apply(child)
+    memory.applied, memory.applied_at = fingerprint, now
+
+
+async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]]) -> list[str]:
+    """Delete children this CR owns that reconcile no longer wants (e.g. after an operator upgrade)."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    removed = []
+    for api_version, kind in CHILD_KINDS:
+        for obj in await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name)):
+            name = obj["metadata"]["name"]
+            if (kind, name) not in wanted and is_owned_by(obj, svc.uid):
+                await api.delete(api_version, kind, svc.namespace, name)
+                removed.append(f"{kind}/{name}")
+    return removed
+
+
+async def _observe(api: KubeApi, svc: ServiceSpec) -> dict[str, Any]:
+    return {
+        role: observe_deployment(await api.get("apps/v1", "Deployment", svc.namespace,
+                                               names.role_name(svc.name, role)))
+        for role in names.ROLES
+    }
+
+
+async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memory: ServiceMemory,
+                   logger: Any) -> dict[str, Any]:
+    # Metrics only steer scaling; failing to read them must never block applying the spec.
+    try:
+        return await read_metrics(api, http, svc, memory)
+    except (ApiError, httpx.HTTPError) as exc:
+        logger.warning(f"metrics unavailable: {exc}")
+        return {}
+
+
+async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory: ServiceMemory,
+               logger: Any, *, autoscale: bool, prune_strays: bool) -> SyncResult:
+    try:
+        svc = parse_service(cr)
+    except SpecError as exc:
+        logger.warning(f"invalid spec: {exc}")
+        return _failed(cr, "InvalidSpec", str(exc), kopf.PermanentError(f"invalid spec: {exc}"))
+    status_in: dict[str, Any] = dict(cr.get("status") or {})
+    auto_section: dict[str, Any] = {}
+    report = memory.report or ScalingReport(False, "Pending", "waiting for the first metrics round")
+    if not svc.autoscaling.enabled:
+        report = ScalingReport(False, "Disabled", "spec.autoscaling.enabled is false")
+    try:
+        if autoscale:
+            result = plan(svc, status_in, await _metrics(api, http, svc, memory, logger), memory.scaler,
+                          time.time(), memory.last_decision)
+            memory.scaler, memory.measured, memory.report = result.state, result.measured, result.report
+            report, auto_section = result.report, result.status
+            memory.last_decision = auto_section.get("lastDecision", memory.last_decision)
+            if auto_section:
+                status_in["autoscaler"] = auto_section
+        replicas: RoleReplicas = desired_replicas(svc, status_in)
+        children = desired_children(svc, replicas)
+        await _apply_all(api, children, memory, force=not autoscale)
+        if prune_strays:
+            for removed in await prune(api, svc, children):
+                logger.info(f"pruned {removed}")
+        observed = await _observe(api, svc)
+        if not all(o.exists for o in observed.values()):  # someone deleted a Deployment: repair now
+            await _apply_all(api, children, memory, force=True)
+            observed = await _observe(api, svc)
+    except ApiError as exc:
+        if exc.transient:
+            raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc
+        return _failed(cr, "ApplyFailed", f"the API server rejected a child: {exc}",
+                       kopf.PermanentError(f"apply failed: {exc}"))
+    status = build_status(svc, replicas, observed, memory.measured, report, status_in, _now())
+    if auto_section:
+        status["autoscaler"] = auto_section
+    elif not svc.autoscaling.enabled and "autoscaler" in status_in:
+        status["autoscaler"] = None  # merge-patch null: drop the stale section once scaling is off
+    return SyncResult(status)

@@ -1,0 +1,124 @@
+"""The prefill and decode Deployments.
+
+Readiness is `/health/ready`. On decode pods the worker answers 200 there only after
+a KV-transfer handshake with at least one prefill pod succeeded, so a ready decode
+pod proves a working P->D path; the operator's Ready condition builds on that.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tandem.operator import names
+from tandem.operator.engine_config import CONFIG_HASH_ANNOTATION, config_hash, config_key
+from tandem.operator.pods import deployment, downward_env, drain_command, http_probe, pod_spec
+from tandem.operator.spec import ServiceSpec
+from tandem.operator.spec_parts import GPU, RoleSpec
+
+# Time for the pod to leave Service endpoints and the router's pod list after preStop finishes.
+GRACE_MARGIN_S = 30
+STARTUP_PROBE_PERIOD_S = 10
+
+
+def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
+    return [
+        "tandem", "serve",
+        "--role", spec.role,
+        "--model", svc.model.container_path,
+        "--served-model-name", svc.model.served_name,
+        "--host", "0.0.0.0",
+        "--port", str(names.HTTP_PORT),
+        "--bootstrap-port", str(names.BOOTSTRAP_PORT),
+        "--config", f"{names.ENGINE_CONFIG_DIR}/{names.ENGINE_CONFIG_FILE}",
+        *spec.extra_args,
+    ]
+
+
+def worker_resources(spec: RoleSpec) -> dict[str, Any]:
+    """The role's resources, with tensorParallelSize GPUs unless the user set a GPU limit."""
+    resources = {key: dict(value) for key, value in spec.resources.items() if isinstance(value, dict)}
+    limits = resources.setdefault("limits", {})
+    limits.setdefault(GPU, spec.tensor_parallel_size)
+    requests = resources.get("requests")
+    if requests is not None and GPU in requests:
+        requests[GPU] = limits[GPU]  # extended resources require requests == limits
+    return resources
+
+
+def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
+    env = downward_env() + [
+        {"name": "TANDEM_ROLE", "value": role},
+        {"name": "TANDEM_KV_BACKEND", "value": svc.kv.backend},
+        {"name": "TANDEM_KV_PORT_BASE", "value": str(svc.kv.port_base)},
+        {"name": "TANDEM_KV_PORT_COUNT", "value": str(svc.kv.port_count)},
+    ]
+    if svc.kv.transports:
+        env.append({"name": "UCX_TLS", "value": ",".join(svc.kv.transports)})
+    if svc.kv.devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(svc.kv.devices)})
+    return env
+
+
+def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}]
+    if role == names.PREFILL:
+        ports.append({"name": "bootstrap", "containerPort": names.BOOTSTRAP_PORT, "protocol": "TCP"})
+    ports.append({"name": "kv", "containerPort": svc.kv.port_base, "protocol": "TCP"})
+    return ports
+
+
+def worker_volumes(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
+    if svc.model.pvc_claim:
+        claim = {"claimName": svc.model.pvc_claim, "readOnly": True}
+        model: dict[str, Any] = {"persistentVolumeClaim": claim}
+    else:
+        model = {"hostPath": {"path": svc.model.host_path, "type": "Directory"}}
+    return [
+        {"name": "model", **model},
+        {"name": "engine-config", "configMap": {
+            "name": names.engine_config_name(svc.name),
+            "items": [{"key": config_key(role), "path": names.ENGINE_CONFIG_FILE}],
+        }},
+        # NCCL and the KV transfer engine use shared memory; the container default is 64 MiB.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+    ]
+
+
+def worker_container(svc: ServiceSpec, spec: RoleSpec) -> dict[str, Any]:
+    return {
+        "name": spec.role,
+        "image": spec.image,
+        "imagePullPolicy": svc.image_pull_policy,
+        "command": worker_command(svc, spec),
+        "ports": worker_ports(spec.role, svc),
+        "env": worker_env(svc, spec.role),
+        "resources": worker_resources(spec),
+        "startupProbe": http_probe(
+            names.HEALTH_PATH, STARTUP_PROBE_PERIOD_S, 5,
+            max(1, math.ceil(spec.startup_timeout_s / STARTUP_PROBE_PERIOD_S))),
+        "livenessProbe": http_probe(names.HEALTH_PATH, 10, 5, 3),
+        "readinessProbe": http_probe(names.READY_PATH, 5, 3, 2),
+        "lifecycle": {"preStop": {"exec": {"command": drain_command(spec.drain_timeout_s)}}},
+        "volumeMounts": [
+            {"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True},
+            {"name": "engine-config", "mountPath": names.ENGINE_CONFIG_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+
+
+def worker_deployment(svc: ServiceSpec, role: str, replicas: int) -> dict[str, Any]:
+    spec = svc.role(role)
+    pod = pod_spec(
+        svc, spec, [worker_container(svc, spec)], worker_volumes(svc, role),
+        grace_s=spec.drain_timeout_s + GRACE_MARGIN_S,
+    )
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(svc, role),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(names.HTTP_PORT),
+        "prometheus.io/path": names.METRICS_PATH,
+    }
+    return deployment(svc, spec, replicas, pod, annotations, progress_deadline_s=spec.startup_timeout_s + 300)

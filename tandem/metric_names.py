@@ -1,0 +1,30 @@
+"""Prometheus metric names shared by the workers (which export them) and the operator (which reads them).
+
+Torch-free on purpose: the operator image imports this module and must stay small.
+Histograms follow the Prometheus convention, so the exported series are
+`<name>_bucket{le=...}`, `<name>_sum` and `<name>_count`.
+"""
+
+from __future__ import annotations
+
+# Gauges, one value per worker process.
+NUM_QUEUE_REQS = "tandem_num_queue_reqs"  # requests admitted but not yet scheduled
+NUM_RUNNING_REQS = "tandem_num_running_reqs"  # requests in the running batch
+KV_CACHE_USAGE = "tandem_kv_cache_usage"  # fraction 0..1 of KV pages in use
+KV_HANDSHAKE_OK = "tandem_kv_handshake_ok"  # decode only: 1 once a KV handshake with a prefill pod succeeded
+
+# Histograms, in seconds. Prefill workers export TTFT (arrival to first token);
+# decode workers export ITL (gap between consecutive output tokens of one request).
+TIME_TO_FIRST_TOKEN_SECONDS = "tandem_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = "tandem_inter_token_latency_seconds"
+
+# Counters.
+KV_TRANSFER_FAILURES_TOTAL = "tandem_kv_transfer_failures_total"
+
+# Bucket bounds the workers should use for the latency histograms, so that a p95
+# read by the operator has useful resolution around typical SLO targets.
+TTFT_BUCKETS_SECONDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
+ITL_BUCKETS_SECONDS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+ALL_GAUGES = (NUM_QUEUE_REQS, NUM_RUNNING_REQS, KV_CACHE_USAGE, KV_HANDSHAKE_OK)
+ALL_HISTOGRAMS = (TIME_TO_FIRST_TOKEN_SECONDS, INTER_TOKEN_LATENCY_SECONDS)

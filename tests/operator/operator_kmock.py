@@ -1,0 +1,191 @@
+"""A kmock-based Kubernetes API for end-to-end operator tests, served from a background thread.
+
+kmock's KubernetesEmulator stores objects and serves list/watch/get/create/patch/delete.
+This subclass adds what kopf, kubectl and our operator rely on and kmock leaves out:
+
+| gap in kmock                                      | what the subclass does                        |
+|---------------------------------------------------|-----------------------------------------------|
+| no metadata.uid / resourceVersion / generation    | stamps them on create and patch               |
+| list responses without kind / apiVersion          | adds them (kubectl needs them)                 |
+| core discovery says groupVersion "/v1"            | answers "v1", so kubectl finds core resources  |
+| server-side apply on a missing object is a 404    | treats it as a create, like the API server     |
+| no garbage collection                             | deletes objects whose controller owner is gone |
+| request matching scans the whole request history  | keeps only the last few requests               |
+
+It still does no label selectors, strategic merge, schema validation or 409s; tests
+must not rely on those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock._internal import enums
+
+CR_RESOURCE = "tandem.dev/v1alpha1/inferenceservices"
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(out.get(key), value)
+    return out
+
+
+@attrs.define(kw_only=True)
+class StampingEmulator(kmock.KubernetesEmulator):
+    _rv: int = 0
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _live(self, key: tuple[Any, Any, Any]) -> dict[str, Any] | None:
+        if key in self.objects and not self.objects[key].deleted:
+            return self.objects[key].raw
+        return None
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        # kmock matches each request by scanning every request it has ever served, which turns
+        # quadratic under an operator's steady traffic; only the current request matters here.
+        del self._requests[:-8]
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            key = (request.resource, request.namespace, request.name)
+            content_type = request.headers.get("Content-Type", "")
+            upsert = request.action == enums.action.UPDATE and "apply-patch" in content_type \
+                and not self._live(key)
+            meta = data.setdefault("metadata", {})
+            if request.action == enums.action.CREATE or upsert:
+                meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=self._next_rv(),
+                            creationTimestamp=datetime.datetime.now(datetime.timezone.utc)
+                            .strftime("%Y-%m-%dT%H:%M:%SZ"))
+            elif request.action == enums.action.UPDATE:
+                old = self._live(key) or {}
+                old_meta = old.get("metadata") or {}
+                bumped = request.subresource is None and "spec" in data and \
+                    _merge(old.get("spec"), data["spec"]) != old.get("spec")
+                meta.pop("uid", None)  # identity never changes through a patch
+                meta["resourceVersion"] = self._next_rv()
+                meta["generation"] = int(old_meta.get("generation") or 1) + (1 if bumped else 0)
+            if upsert:
+                return await self._create_applied(request, key)
+        response = await super()._handle(request)
+        if request.action in (enums.action.DELETE, enums.action.UPDATE) and request.resource is not None:
+            await self._collect_garbage()  # a delete, or a patch that removed the last finalizer
+        return response
+
+    async def _create_applied(self, request: kmock.Request, key: tuple[Any, Any, Any]) -> Any:
+        """Server-side apply of an absent object creates it, as the API server does."""
+        async with self._lock:
+            self.objects[key] = request.data
+            raw = self.objects[key].raw
+            await self._buses[request.resource].put({"type": "ADDED", "object": raw})
+        return aiohttp.web.json_response(raw, status=201)
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_version(request)
+        payload["groupVersion"] = payload["groupVersion"].lstrip("/")  # the core group is "v1", not "/v1"
+        return payload
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_list(request)
+        info = self.resources[request.resource]
+        group = request.resource.group
+        payload["kind"] = f"{info.kind}List"
+        payload["apiVersion"] = f"{group}/{request.resource.version}" if group else request.resource.version
+        return payload
+
+    async def _collect_garbage(self) -> None:
+        """Delete every object whose controller owner no longer exists, until nothing changes."""
+        while True:
+            async with self._lock:
+                live = [obj for obj in self.objects.values() if not obj.deleted]
+                live_uids = {obj.raw["metadata"].get("uid") for obj in live}
+                orphans = [
+                    (key, obj) for key, obj in self.objects.items()
+                    if not obj.deleted and any(
+                        ref.get("controller") and ref.get("uid") not in live_uids
+                        for ref in obj.raw["metadata"].get("ownerReferences") or [])
+                ]
+                for (resource, _, _), obj in orphans:
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+            if not orphans:
+                return
+
+
+class KmockCluster:
+    """Runs the emulator on 127.0.0.1 in its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.emulator: StampingEmulator | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with StampingEmulator() as emulator, kmock.Server(emulator) as server:
+            emulator.resources.load_bundled()
+            emulator.resources[CR_RESOURCE] = kmock.ResourceInfo(
+                kind="InferenceService", singular="inferenceservice", namespaced=True,
+                shortnames={"tisvc"}, categories={"tandem"}, subresources={"status", "scale"},
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            )
+            self.emulator, self.port = emulator, server.port
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> KmockCluster:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("kmock did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock",
+                                                       "namespace": namespace}}],
+        }
+        path.write_text(json.dumps(config))
+        return path
+
+    def live(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Snapshot of live objects of one resource, read on the emulator's own loop."""
+        assert self.emulator is not None and self._loop is not None
+        emulator = self.emulator
+
+        async def snapshot() -> list[dict[str, Any]]:
+            async with emulator._lock:
+                return [copy.deepcopy(obj.raw) for (res, ns, _), obj in emulator.objects.items()
+                        if not obj.deleted and str(res) == str(kmock.resource(resource))
+                        and (namespace is None or ns == namespace)]
+
+        return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)

@@ -1,0 +1,44 @@
+"""Helpers shared by the operator tests (a uniquely named module, so it never clashes with another
+`conftest` on sys.path): paths, example CRs, offline Kubernetes schema validation."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES_DIR = REPO / "examples"
+CHART_DIR = REPO / "charts" / "tandem"
+KUBE_VERSIONS = ("1.30", "1.33")
+
+
+def example_paths() -> list[Path]:
+    return sorted(EXAMPLES_DIR.glob("inferenceservice-*.yaml"))
+
+
+def load_example(path: Path, uid: str = "5b0cde52-35a0-4b4e-9a39-5d8f2f5e3c11") -> dict[str, Any]:
+    cr = yaml.safe_load(path.read_text())
+    cr["metadata"].setdefault("uid", uid)
+    cr["metadata"].setdefault("generation", 1)
+    return cr
+
+
+@functools.lru_cache(maxsize=1)
+def _kv() -> Any:
+    return pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+
+
+def kube_validate(manifest: dict[str, Any], version: str) -> None:
+    """Validate one manifest against the real Kubernetes schema, strict (no unknown fields)."""
+    kv = _kv()
+    try:
+        kv.validate(copy.deepcopy(manifest), version, strict=True)
+    except kv.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        name = f"{manifest.get('kind')}/{manifest.get('metadata', {}).get('name')}"
+        raise AssertionError(f"{name} invalid for Kubernetes {version} at {path}: {exc.message}") from None

@@ -1,0 +1,83 @@
+"""`tandem operator render|crd|run` wiring, and the rule that the operator never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+from operator_support import EXAMPLES_DIR, REPO, load_example
+
+from tandem.operator.cli import register
+from tandem.operator.crd import build_crd
+from tandem.operator.reconcile import reconcile
+
+
+def run_module(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tandem.operator", *args], capture_output=True, text=True,
+                          input=stdin, cwd=REPO, timeout=60)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem")
+    register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_register_wires_render_run_and_crd() -> None:
+    p = parser()
+    render = p.parse_args(["operator", "render", "-f", "cr.yaml"])
+    run = p.parse_args(["operator", "run", "-n", "a", "-n", "b", "--interval", "5"])
+    assert render.func.__name__ == "render_command" and render.filename == "cr.yaml"
+    assert run.func.__name__ == "run_command" and run.namespace == ["a", "b"] and run.interval == 5.0
+    assert p.parse_args(["operator", "crd"]).func.__name__ == "crd_command"
+    with pytest.raises(SystemExit):
+        p.parse_args(["operator", "run", "-n", "a", "-A"])
+
+
+def test_tandem_console_parser_includes_the_operator() -> None:
+    from tandem.cli import build_parser
+
+    args = build_parser(("tandem.operator.cli",)).parse_args(["operator", "render", "-f", "x.yaml"])
+    assert args.func.__name__ == "render_command"
+
+
+def test_render_prints_what_reconcile_applies() -> None:
+    path = EXAMPLES_DIR / "inferenceservice-autoscaling.yaml"
+    result = run_module("render", "-f", str(path))
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    cr = yaml.safe_load(path.read_text())
+    assert docs == reconcile(cr)
+    assert [d["kind"] for d in docs].count("Deployment") == 3
+
+
+def test_render_reads_stdin_and_rejects_invalid_specs() -> None:
+    cr: dict[str, Any] = load_example(EXAMPLES_DIR / "inferenceservice-minimal.yaml")
+    cr["spec"]["model"] = {"servedName": "m", "uri": "s3://bucket/m"}
+    result = run_module("render", "-f", "-", stdin=yaml.safe_dump(cr))
+    assert result.returncode == 1 and "reserved" in result.stderr and result.stdout == ""
+    assert run_module("render", "-f", "-", stdin="kind: ConfigMap\n").returncode == 2
+
+
+def test_crd_command_prints_the_crd() -> None:
+    result = run_module("crd")
+    assert result.returncode == 0 and yaml.safe_load(result.stdout) == build_crd()
+
+
+def test_operator_never_imports_torch() -> None:
+    code = (
+        "import pkgutil, importlib, sys, tandem.operator as op\n"
+        "import tandem.metric_names\n"
+        "mods = [m.name for m in pkgutil.iter_modules(op.__path__)]\n"
+        "[importlib.import_module('tandem.operator.' + m) for m in mods]\n"
+        "heavy = sorted(n for n in ('torch', 'transformers', 'numpy') if n in sys.modules)\n"
+        "print(len(mods), heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    count, heavy = result.stdout.split(" ", 1)
+    assert int(count) > 15 and heavy.strip() == "[]"

@@ -1,0 +1,164 @@
+"""The API client and one sync pass against a scripted API (httpx.MockTransport): server-side apply,
+error mapping to kopf.TemporaryError / PermanentError, Degraded on bad specs, pruning."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import kopf
+import pytest
+
+from tandem.operator.autoscaler import ServiceMemory
+from tandem.operator.kubeapi import ApiError, KubeApi, resource_path
+from tandem.operator.sync import sync
+
+LOG = logging.getLogger("test")
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+class FakeApiServer:
+    """Stores applied objects by path; optional failure injection per method+path fragment."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail: dict[str, tuple[int, str]] = {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.calls.append((request.method, path))
+        for fragment, (code, reason) in self.fail.items():
+            if fragment in f"{request.method} {path}":
+                return httpx.Response(code, json={"kind": "Status", "reason": reason, "message": "injected"})
+        if request.method == "PATCH":
+            assert request.headers["content-type"] == "application/apply-patch+yaml"
+            assert request.url.params["fieldManager"] == "tandem-operator"
+            assert request.url.params["force"] == "true"
+            self.objects[path] = json.loads(request.content)
+            return httpx.Response(200, json=self.objects[path])
+        if request.method == "GET" and path in self.objects:
+            return httpx.Response(200, json=self.objects[path])
+        if request.method == "GET" and "labelSelector" in request.url.params:
+            items = [o for p, o in self.objects.items() if p.rsplit("/", 1)[0] == path]
+            return httpx.Response(200, json={"items": items})
+        if request.method == "DELETE":
+            self.objects.pop(path, None)
+            return httpx.Response(200, json={})
+        return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
+
+
+def run_sync(server: FakeApiServer, cr: dict[str, Any], **kwargs: Any) -> Any:
+    async def go() -> Any:
+        async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(server)) as client:
+            return await sync(cr, KubeApi(client), client, ServiceMemory(), LOG,
+                              autoscale=kwargs.get("autoscale", False),
+                              prune_strays=kwargs.get("prune", True))
+
+    return asyncio.run(go())
+
+
+def test_sync_applies_every_child_and_reports_status(minimal_cr: dict[str, Any]) -> None:
+    server = FakeApiServer()
+    result = run_sync(server, minimal_cr)
+    assert result.error is None
+    patches = [p for m, p in server.calls if m == "PATCH"]
+    assert len(patches) == 14 and patches[0].endswith("/configmaps/llama3-8b-engine")
+    assert "/apis/apps/v1/namespaces/default/deployments/llama3-8b-decode" in patches
+    assert result.status["conditions"][0]["type"] == "PrefillReady"
+    assert result.status["decode"]["desiredReplicas"] == 1
+
+
+def test_sync_twice_is_a_no_op_for_the_objects(minimal_cr: dict[str, Any]) -> None:
+    server = FakeApiServer()
+    run_sync(server, minimal_cr)
+    snapshot = copy.deepcopy(server.objects)
+    run_sync(server, minimal_cr)
+    assert server.objects == snapshot and len(snapshot) == 14
+
+
+def test_invalid_spec_gives_degraded_and_permanent_error(minimal_cr: dict[str, Any]) -> None:
+    cr = copy.deepcopy(minimal_cr)
+    cr["spec"]["model"] = {"servedName": "m", "uri": "hf://m"}
+    server = FakeApiServer()
+    result = run_sync(server, cr)
+    assert isinstance(result.error, kopf.PermanentError)
+    degraded = next(c for c in result.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "reserved" in degraded["message"]
+    assert server.calls == []  # nothing is applied from a spec the operator cannot trust
+
+
+@pytest.mark.parametrize("code", [409, 429, 500, 503])
+def test_conflicts_and_outages_are_retried(minimal_cr: dict[str, Any], code: int) -> None:
+    server = FakeApiServer()
+    server.fail["PATCH /apis/apps/v1"] = (code, "Conflict")
+    with pytest.raises(kopf.TemporaryError) as err:
+        run_sync(server, minimal_cr)
+    assert err.value.delay == 10
+
+
+def test_rejected_child_gives_degraded(minimal_cr: dict[str, Any]) -> None:
+    server = FakeApiServer()
+    server.fail["PATCH /apis/networking.k8s.io"] = (422, "Invalid")
+    result = run_sync(server, minimal_cr)
+    assert isinstance(result.error, kopf.PermanentError)
+    degraded = next(c for c in result.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ApplyFailed" and "422" in degraded["message"]
+
+
+def test_prune_removes_only_owned_strays(minimal_cr: dict[str, Any]) -> None:
+    server = FakeApiServer()
+    run_sync(server, minimal_cr)
+    labels = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": "llama3-8b"}
+    owner = {"uid": minimal_cr["metadata"]["uid"], "controller": True}
+    stray = resource_path("v1", "ConfigMap", "default", "llama3-8b-old")
+    foreign = resource_path("v1", "ConfigMap", "default", "llama3-8b-user")
+    server.objects[stray] = {"metadata": {"name": "llama3-8b-old", "labels": labels,
+                                          "ownerReferences": [owner]}}
+    server.objects[foreign] = {"metadata": {"name": "llama3-8b-user", "labels": labels}}
+    run_sync(server, minimal_cr)
+    assert stray not in server.objects and foreign in server.objects
+
+
+def test_metrics_failures_do_not_block_apply(autoscaling_cr: dict[str, Any]) -> None:
+    server = FakeApiServer()
+    server.fail["GET /api/v1/namespaces/serving/pods"] = (403, "Forbidden")
+    result = run_sync(server, autoscaling_cr, autoscale=True, prune=False)
+    assert result.error is None
+    scaling = next(c for c in result.status["conditions"] if c["type"] == "ScalingActive")
+    assert scaling["reason"] == "MetricsUnavailable"
+    assert result.status["autoscaler"]["prefill"]["replicas"] == 2
+
+
+def test_api_error_classification() -> None:
+    assert ApiError(409, "Conflict", "").transient and ApiError(504, "Timeout", "").transient
+    assert not ApiError(403, "Forbidden", "").transient and not ApiError(422, "Invalid", "").transient
+
+
+def test_client_maps_404_to_none_and_transport_errors_to_503() -> None:
+    def boom(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    async def go() -> None:
+        fake = httpx.MockTransport(FakeApiServer())
+        async with httpx.AsyncClient(base_url="http://api", transport=fake) as c:
+            assert await KubeApi(c).get("apps/v1", "Deployment", "ns", "missing") is None
+        async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(boom)) as c:
+            with pytest.raises(ApiError) as err:
+                await KubeApi(c).get("apps/v1", "Deployment", "ns", "x")
+            assert err.value.status == 503 and err.value.transient
+
+    asyncio.run(go())
+
+
+def test_turning_autoscaling_off_drops_its_status(minimal_cr: dict[str, Any]) -> None:
+    cr = {**minimal_cr, "status": {"autoscaler": {"prefill": {"replicas": 4, "specReplicas": 1}}}}
+    result = run_sync(FakeApiServer(), cr, autoscale=True)
+    assert result.status["autoscaler"] is None  # a merge-patch null removes the stale section
+    assert result.status["prefill"]["desiredReplicas"] == 1
