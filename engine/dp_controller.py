@@ -27,7 +27,14 @@ import zmq
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.io_struct import (
-    AbortReq, AdminResult, FlushCacheReq, GenerateReqInput, ReqOutput, ShutdownReq, decode, encode,
+    AbortReq,
+    AdminResult,
+    FlushCacheReq,
+    GenerateReqInput,
+    ReqOutput,
+    ShutdownReq,
+    decode,
+    encode,
 )
 
 
@@ -117,7 +124,9 @@ class DataParallelController:
             s = self.ctx.socket(zmq.PUSH)
             s.bind(addr)
             self.pushes.append(s)
-            p = spawn.Process(target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr), daemon=True)
+            p = spawn.Process(
+                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr), daemon=True
+            )
             p.start()
             self.procs.append(p)
         for _ in range(config.dp_size):  # wait until every rank has its model loaded

@@ -19,7 +19,14 @@ from typing import Any
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop, stream_holdback
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.io_struct import AbortReq, AdminResult, FlushCacheReq, GenerateReqInput, ReqOutput, ShutdownReq
+from tandem.engine.io_struct import (
+    AbortReq,
+    AdminResult,
+    FlushCacheReq,
+    GenerateReqInput,
+    ReqOutput,
+    ShutdownReq,
+)
 
 Prompt = str | list[int]
 
@@ -92,7 +99,7 @@ class Engine:
             raise ValueError("one sampling_params per prompt, or one for all")
         pending = [self._submit(p, sp) for p, sp in zip(plist, params)]
         results = []
-        for (rid, q, ids), sp in zip(pending, params):
+        for (rid, q, _), sp in zip(pending, params):
             tokens: list[int] = []
             last: ReqOutput | None = None
             logprobs: list[float] = []

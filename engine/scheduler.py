@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,15 @@ from tandem.engine.decode_manager import DecodeManager
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.future_map import FutureMap
-from tandem.engine.io_struct import AbortReq, AdminResult, FlushCacheReq, GenerateReqInput, ReqOutput, SchedulerStats, ShutdownReq
+from tandem.engine.io_struct import (
+    AbortReq,
+    AdminResult,
+    FlushCacheReq,
+    GenerateReqInput,
+    ReqOutput,
+    SchedulerStats,
+    ShutdownReq,
+)
 from tandem.engine.metrics import SchedulerMetrics
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker

@@ -1,0 +1,1 @@
+"""Model execution engine: model building, runners, attention backends."""

@@ -1,0 +1,169 @@
+"""The fused CPU paged decode kernel against dense attention.
+
+K/V rows sit at random slots of a pool (random req_to_token rows, i.e. pages
+scattered anywhere), the kernel reads them through req_to_token, and the result
+must match softmax(q k^T * scale) v over each request's first seq_len slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.attention import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _dense(q, k_buffer, v_buffer, req_to_token, rows, seq_lens, scale):
+    """q (B, Hq, D) -> (B, Hq, D) fp32, one request at a time from its gathered K/V."""
+    group = q.shape[1] // k_buffer.shape[1]
+    out = []
+    for b in range(q.shape[0]):
+        slots = req_to_token[rows[b], : seq_lens[b]].long()
+        k = k_buffer[slots].float().repeat_interleave(group, 1)  # (seq, Hq, D)
+        v = v_buffer[slots].float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,khd->hk", q[b].float(), k) * scale
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+def _case(batch, heads, kv_heads, dim, dtype, seq_lens, max_ctx=600, num_slots=8192):
+    k_buffer = torch.randn(num_slots, kv_heads, dim).to(dtype)  # (slots, kv_heads, dim)
+    v_buffer = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    num_rows = batch + 3
+    # every row a random permutation of slots: positions land on arbitrary pages
+    req_to_token = torch.stack([torch.randperm(num_slots - 1)[:max_ctx] + 1 for _ in range(num_rows)])
+    req_to_token = req_to_token.to(torch.int32)  # (rows, max_ctx)
+    rows = torch.randperm(num_rows)[:batch].to(torch.int64)
+    q = torch.randn(batch, heads, dim).to(dtype)
+    return q, k_buffer, v_buffer, req_to_token, rows, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (16, 4), (16, 2)], ids=["g1", "g4", "g8"])
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_decode_matches_dense(dtype, dim, heads, kv_heads, batch):
+    torch.manual_seed(batch * 1000 + dim + heads + kv_heads)
+    lens = [1, 2, 31, 32, 33, 257, 600][:batch] + torch.randint(1, 600, (max(0, batch - 7),)).tolist()
+    q, kb, vb, r2t, rows, seq_lens = _case(batch, heads, kv_heads, dim, dtype, lens)
+    scale = dim**-0.5
+    out = cpu_kernels.paged_decode_attention(q, kb, vb, r2t, rows, seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = _dense(q, kb, vb, r2t, rows, seq_lens, scale)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_split_sequences_merge_exactly(dtype, num_splits):
+    """Cutting sequences into splits (then merging) gives the unsplit answer."""
+    torch.manual_seed(num_splits)
+    q, kb, vb, r2t, rows, seq_lens = _case(4, 16, 4, 64, dtype, [1, 40, 300, 600])
+    ref = _dense(q, kb, vb, r2t, rows, seq_lens, 0.125)
+    out = cpu_kernels.paged_decode_attention(q, kb, vb, r2t, rows, seq_lens, 0.125, num_splits=num_splits)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_strided_q_and_out():
+    """q may be a view into a fused qkv projection; out may be a slice of a bigger buffer."""
+    torch.manual_seed(0)
+    q, kb, vb, r2t, rows, seq_lens = _case(3, 16, 4, 64, torch.float32, [5, 100, 17])
+    qkv = torch.randn(3, 24, 64)
+    qkv[:, :16] = q
+    big = torch.zeros(3, 32, 64)
+    out = cpu_kernels.paged_decode_attention(
+        qkv[:, :16], kb, vb, r2t, rows, seq_lens, 0.125, out=big[:, 8:24]
+    )
+    torch.testing.assert_close(out, _dense(q, kb, vb, r2t, rows, seq_lens, 0.125), atol=1e-5, rtol=1e-5)
+    assert big[:, :8].abs().sum() == 0 and big[:, 24:].abs().sum() == 0
+
+
+def test_large_scores_are_stable():
+    """Online softmax keeps a running max: huge logits must not overflow."""
+    torch.manual_seed(1)
+    q, kb, vb, r2t, rows, seq_lens = _case(2, 8, 2, 64, torch.float32, [200, 77])
+    q = q * 100.0
+    out = cpu_kernels.paged_decode_attention(q, kb, vb, r2t, rows, seq_lens, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _dense(q, kb, vb, r2t, rows, seq_lens, 1.0), atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_bad_input():
+    q, kb, vb, r2t, rows, seq_lens = _case(2, 8, 2, 64, torch.float32, [3, 4])
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_kernels.paged_decode_attention(q.bfloat16(), kb, vb, r2t, rows, seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="seq_lens out of range"):
+        cpu_kernels.paged_decode_attention(
+            q, kb, vb, r2t, rows, torch.tensor([3, 10_000], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(RuntimeError, match="head_dim"):
+        cut = [x[..., :48].contiguous() for x in (q, kb, vb)]
+        cpu_kernels.paged_decode_attention(*cut, r2t, rows, seq_lens, 1.0)
+
+
+def test_disable_env(monkeypatch):
+    """TANDEM_DISABLE_CPU_KERNELS=1 makes a fresh load report unavailable, without raising."""
+    monkeypatch.setenv("TANDEM_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert cpu_kernels.available() is False
+    assert "TANDEM_DISABLE_CPU_KERNELS" in cpu_kernels.unavailable_reason()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_kernel_matches_gather_path(page_size):
+    """TorchAttentionBackend with the kernel equals its gather+SDPA path on a bf16 MIXED batch,
+    and builds no padded gather index."""
+    from types import SimpleNamespace
+
+    from tandem.engine.attention.torch_backend import TorchAttentionBackend
+    from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+    from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+
+    torch.manual_seed(page_size)
+    heads, kv_heads, dim, dtype = 16, 4, 64, torch.bfloat16
+    reqs = [(20, 5), (3, 1), (130, 1), (0, 1), (64, 1)]  # (prefix, extend); the first is the extend
+    ctx = SimpleNamespace(
+        req_to_token_pool=ReqToTokenPool(8, 512, "cpu"),
+        kv_pool=TokenToKVPool(1024 // page_size + 1, page_size, 2, kv_heads, dim, dtype, "cpu"),
+        device=torch.device("cpu"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        scaling=dim**-0.5,
+        dtype=dtype,
+        page_size=page_size,
+    )
+    fused, gather = TorchAttentionBackend(ctx), TorchAttentionBackend(ctx)
+    assert fused.use_decode_kernel
+    gather.use_decode_kernel = False
+    rows = ctx.req_to_token_pool.alloc(len(reqs))
+    new_locs = []
+    for row, (prefix, extend) in zip(rows, reqs, strict=True):
+        slots = ctx.kv_pool.allocator.alloc(prefix + extend)
+        ctx.req_to_token_pool.write(row, 0, slots)
+        for layer in range(2):
+            k = torch.randn(prefix, kv_heads, dim, dtype=dtype)
+            ctx.kv_pool.set_kv(layer, slots[:prefix], k, torch.randn_like(k))
+        new_locs.append(slots[prefix:])
+    n_tok = sum(e for _, e in reqs)
+    batch = ForwardBatch.build(
+        ForwardMode.MIXED, torch.zeros(n_tok, dtype=torch.int64), rows, [p for p, _ in reqs],
+        [e for _, e in reqs], torch.cat(new_locs), "cpu", num_extend_reqs=1,
+    )  # fmt: skip
+    q = torch.randn(n_tok, heads, dim, dtype=dtype)
+    k_new = torch.randn(n_tok, kv_heads, dim, dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    for layer in range(2):
+        outs = []
+        for backend in (fused, gather):
+            backend.init_forward_metadata(batch)
+            outs.append(backend.forward(q, k_new, v_new, layer, batch))
+        torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
+    fused.init_forward_metadata(batch)
+    assert batch.attn_metadata.decode_index is None and batch.attn_metadata.decode_mask is None
