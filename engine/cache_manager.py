@@ -106,11 +106,24 @@ class CacheManager:
             if req.last_node is not None:  # matched but never admitted
                 req.last_node = None
             return
-        assert len(req.kv_token_ids()) == req.kv_committed_len, f"{req.rid}: KV ahead of known tokens"
+        self._drop_unknown_tail(req)
         self.tree.cache_finished_req(req)
         req.req_pool_idx = None
         req.kv_committed_len = 0
         req.last_node = None
+
+    def _drop_unknown_tail(self, req: Req) -> None:
+        """Under overlap a request can stop (abort) while a step that writes KV for a
+        token it never received is in flight. Trim the row to the known tokens; pages
+        wholly past them are freed here, a shared last page goes with the tail."""
+        known = req.seqlen
+        if req.kv_committed_len <= known:
+            return
+        P = self.page_size
+        whole_from = -(-known // P) * P  # first position on a page holding no known token
+        if req.kv_committed_len > whole_from:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, whole_from : req.kv_committed_len].to(torch.int64))
+        req.kv_committed_len = known
 
     def cache_unfinished(self, req: Req) -> None:
         self.tree.cache_unfinished_req(req)

@@ -116,4 +116,5 @@ class PrefillAdder:
             self._charge(trunc, 0)
         self.log_hit_tokens += req.prefix_len
         self.log_input_tokens += req.extend_input_len
-        return self.budget_state()
+        # A chunk used up this round's chunk budget, and a batch carries one chunked request.
+        return AddReqResult.OTHER if self.new_chunked_req is req else self.budget_state()
