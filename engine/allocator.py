@@ -83,9 +83,20 @@ class PageAllocator:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.cat(out).to(self.device)
 
-    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        """One slot per request for the token at position seq_len-1 (seq_len counts it)."""
-        return self.alloc_extend([s - 1 for s in seq_lens], [1] * len(seq_lens), last_locs)
+    def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
+        """One slot per request for the token at position seq_len-1 (seq_len counts it).
+
+        Vectorised: a request whose new position starts a page ((seq_len-1) % P == 0)
+        takes a fresh page; every other one writes the slot after its last."""
+        P = self.page_size
+        starts_page = (seq_lens - 1) % P == 0
+        n_new = int(starts_page.sum())
+        pages = self.alloc_pages(n_new) if n_new else torch.empty(0, dtype=torch.int64)
+        if pages is None:
+            return None
+        slots = last_locs.to(torch.int64) + 1
+        slots[starts_page] = pages * P
+        return slots.to(self.device)
 
     # ---- freeing ---------------------------------------------------------------------
     def free(self, slots: torch.Tensor) -> None:

@@ -68,7 +68,9 @@ class CacheManager:
                 # A fresh row starts with the cached prefix the tree lent us.
                 self.req_to_token_pool.write(row, 0, r.prefix_indices)
         extend = [r.extend_input_len for r in reqs]
-        last = [int(self.req_to_token[r.req_pool_idx, p - 1]) if p else 0 for r, p in zip(reqs, prefix)]
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([max(p - 1, 0) for p in prefix], dtype=torch.int64)
+        last = self.req_to_token[rows.to(self.req_to_token.device), cols.to(self.req_to_token.device)].tolist()
         self._ensure_free(sum(self.allocator.pages_needed(p, e) for p, e in zip(prefix, extend)))
         slots = self.allocator.alloc_extend(prefix, extend, last)
         assert slots is not None
@@ -85,15 +87,13 @@ class CacheManager:
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One slot per request, for the position after its committed KV."""
         self._ensure_free(self.decode_pages_needed(reqs))
-        seq = [r.kv_committed_len + 1 for r in reqs]
-        last = [int(self.req_to_token[r.req_pool_idx, r.kv_committed_len - 1]) for r in reqs]
-        slots = self.allocator.alloc_decode(seq, last)
+        dev = self.req_to_token.device
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
+        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64, device=dev)
+        last = self.req_to_token[rows, cols - 1].cpu()
+        slots = self.allocator.alloc_decode(cols.cpu() + 1, last)
         assert slots is not None
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-        self.req_to_token[rows.to(self.req_to_token.device), cols.to(self.req_to_token.device)] = slots.to(
-            self.req_to_token.device, torch.int32
-        )
+        self.req_to_token[rows, cols] = slots.to(dev, torch.int32)
         for r in reqs:
             r.kv_committed_len += 1
         return slots

@@ -73,10 +73,16 @@ class ForwardBatch:
         if mode == ForwardMode.DECODE and any(e != 1 for e in extend_lens):
             raise ValueError("decode batches carry exactly one new token per request")
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        positions = torch.cat(
-            [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]
-        ) if seq_lens else torch.empty(0, dtype=torch.int64)
-        ends = torch.tensor(extend_lens, dtype=torch.int64).cumsum(0)
+        prefix_t = torch.tensor(prefix_lens, dtype=torch.int64)
+        extend_t = torch.tensor(extend_lens, dtype=torch.int64)
+        ends = extend_t.cumsum(0)
+        if mode == ForwardMode.DECODE:
+            positions = prefix_t
+        else:
+            # token t of the flat batch belongs to request i; its position is
+            # prefix_i + (t - start_i), i.e. t + (prefix_i - start_i) repeated per token.
+            offsets = torch.repeat_interleave(prefix_t - (ends - extend_t), extend_t)
+            positions = torch.arange(int(ends[-1]) if len(ends) else 0, dtype=torch.int64) + offsets
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.tensor(input_ids, dtype=torch.int64)
         if input_ids.numel() != positions.numel() or out_cache_loc.numel() != positions.numel():

@@ -25,6 +25,10 @@ class SchedulerMetrics:
     decode_forward_time: float = 0.0
     decode_idle_gap_time: float = 0.0
     last_batch_size: int = 0
+    # CPU time the scheduler thread spends building decode batches and processing
+    # their results, and the request-steps it covered: overhead per request per step.
+    decode_overhead_time: float = 0.0
+    decode_overhead_req_steps: int = 0
     _last_forward_end: float | None = None
     _last_was_decode: bool = False
 
@@ -59,6 +63,16 @@ class SchedulerMetrics:
             if len(req.output_ids) > 1 and req.last_token_time is not None:
                 self.tpot.append((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1))
 
+    def on_overhead(self, batch: Any, seconds: float) -> None:
+        if batch is not None and not batch.mode.is_extend():
+            self.decode_overhead_time += seconds
+            self.decode_overhead_req_steps += batch.batch_size
+
+    @property
+    def overhead_per_req_step_us(self) -> float:
+        n = self.decode_overhead_req_steps
+        return self.decode_overhead_time / n * 1e6 if n else 0.0
+
     def mark_idle(self) -> None:
         self._last_forward_end = None  # a gap caused by no work is not scheduler overhead
 
@@ -79,6 +93,7 @@ class SchedulerMetrics:
             "decode_batches": self.num_decode_batches,
             "cache_hit_rate": self.cache_hit_rate,
             "decode_idle_fraction": self.decode_idle_fraction,
+            "overhead_per_req_step_us": self.overhead_per_req_step_us,
             "generated_tokens": self.generated_tokens,
             "time": time.time(),
         }

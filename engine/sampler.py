@@ -43,6 +43,10 @@ class SamplingBatch:
         cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
     ) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]
+        top_n = max((p.top_logprobs_num for p in params), default=0)
+        want_lp = any(p.return_logprob for p in params)
+        if all(greedy):  # the common serving case: skip building per-row tensors
+            return cls(None, None, None, None, None, None, True, False, top_n, want_lp)  # type: ignore[arg-type]
         f = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)
         return cls(
             temperatures=f([1.0 if g else p.temperature for p, g in zip(params, greedy)]).view(-1, 1),
@@ -55,8 +59,8 @@ class SamplingBatch:
             need_sort=any(
                 not g and (p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0) for p, g in zip(params, greedy)
             ),
-            top_logprobs_num=max((p.top_logprobs_num for p in params), default=0),
-            return_logprob=any(p.return_logprob for p in params),
+            top_logprobs_num=top_n,
+            return_logprob=want_lp,
         )
 
 

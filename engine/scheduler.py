@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -219,11 +220,15 @@ class Scheduler:
     def event_loop_normal(self) -> None:
         while self.running:
             self.process_input_requests(self.recv_requests(block=self.idle()))
+            t0 = time.perf_counter()
             batch = self.get_next_batch_to_run()
+            t1 = time.perf_counter()
             if batch is not None:
                 result = self.run_batch(batch)
+                t2 = time.perf_counter()
                 self.process_batch_result(batch, result)
                 batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+                self.metrics.on_overhead(batch, (t1 - t0) + (time.perf_counter() - t2))
             else:
                 self.self_check_during_idle()
             self.last_batch = batch
@@ -234,11 +239,16 @@ class Scheduler:
 
         def pop_and_process() -> None:
             done_batch, fut = in_flight.popleft()
-            self.process_batch_result(done_batch, fut.result())
+            result = fut.result()
+            t = time.perf_counter()
+            self.process_batch_result(done_batch, result)
+            self.metrics.on_overhead(done_batch, time.perf_counter() - t)
 
         while self.running:
             self.process_input_requests(self.recv_requests(block=self.idle() and not in_flight))
+            t = time.perf_counter()
             batch = self.get_next_batch_to_run()
+            self.metrics.on_overhead(batch, time.perf_counter() - t)
             consecutive_prefill = (
                 batch is not None and batch.mode.is_extend()
                 and self.last_batch is not None and self.last_batch.mode.is_extend()

@@ -52,7 +52,11 @@ class StaticBatch:
         prefix = [len(s.tokens) for s in seqs]
         extend = [len(t) for t in new_tokens]
         last = [s.slots[-1] if s.slots else 0 for s in seqs]
-        loc = self.runner.kv_pool.allocator.alloc_extend(prefix, extend, last)
+        alloc = self.runner.kv_pool.allocator
+        if all(e == 1 for e in extend) and all(prefix):
+            loc = alloc.alloc_decode(torch.tensor(prefix) + 1, torch.tensor(last))
+        else:
+            loc = alloc.alloc_extend(prefix, extend, last)
         if loc is None:
             raise RuntimeError("KV pool exhausted")
         mode = ForwardMode.DECODE if all(e == 1 for e in extend) and all(prefix) else ForwardMode.EXTEND

@@ -34,9 +34,9 @@ def test_alloc_decode_crosses_page_boundary_only_when_needed() -> None:
     a = PageAllocator(num_pages=8, page_size=4, device="cpu")
     s = a.alloc(4)  # exactly one full page
     used = a.used_pages
-    d = a.alloc_decode([5], [int(s[-1])])  # position 4 -> new page
+    d = a.alloc_decode(torch.tensor([5]), s[-1:])  # position 4 -> new page
     assert a.used_pages == used + 1 and int(d[0]) % 4 == 0
-    d2 = a.alloc_decode([6], [int(d[0])])  # position 5 -> same page
+    d2 = a.alloc_decode(torch.tensor([6]), d[:1])  # position 5 -> same page
     assert a.used_pages == used + 1 and int(d2[0]) == int(d[0]) + 1
 
 
@@ -99,3 +99,15 @@ def test_kv_pool_is_one_contiguous_buffer() -> None:
     k = torch.randn(3, 2, 8)
     pool.set_kv(2, loc, k, -k)
     assert torch.equal(pool.k_buffer(2)[loc], k) and torch.equal(pool.v_buffer(2)[loc], -k)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_vectorised_decode_matches_extend_by_one(page_size: int) -> None:
+    a, b = (PageAllocator(num_pages=64, page_size=page_size, device="cpu") for _ in range(2))
+    seqs = [3, 4, 5, 8, 9]
+    owned = [a.alloc(s) for s in seqs]
+    [b.alloc(s) for s in seqs]
+    last = torch.tensor([int(o[-1]) for o in owned])
+    got = a.alloc_decode(torch.tensor(seqs) + 1, last)
+    want = b.alloc_extend(seqs, [1] * len(seqs), last.tolist())
+    assert got.tolist() == want.tolist()

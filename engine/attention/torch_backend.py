@@ -7,9 +7,13 @@ aligned to the bottom-right:
 
     q token j (position prefix+j) sees kv positions 0 .. prefix+j
 
-Decode: all decode requests in ONE batched SDPA call. Their KV slots are
-gathered into a padded (batch, max_len) table once per forward (shared by all
-layers); padding points at the reserved page 0 and is masked out.
+Decode, on CPU with the fused kernel (cpu_kernels.available()): one call per
+layer reads K/V straight from the pool through req_to_token; the metadata is
+just the decode requests' rows and seq_lens (views into the batch, no copy).
+
+Decode otherwise: all decode requests in ONE batched SDPA call. Their KV slots
+are gathered into a padded (batch, max_len) table once per forward (shared by
+all layers); padding points at the reserved page 0 and is masked out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.attention import cpu_kernels
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
 
@@ -35,11 +40,26 @@ class _ExtendItem:
 class _Metadata:
     extends: list[_ExtendItem]
     decode_start: int  # first decode token in the flattened batch
-    decode_index: torch.Tensor | None  # (num_decode, max_len) int64 slots
-    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_len) bool
+    num_decode: int
+    # fused kernel path: rows in req_to_token and sequence lengths of the decode requests
+    decode_rows: torch.Tensor | None = None  # (num_decode,) int64
+    decode_seq_lens: torch.Tensor | None = None  # (num_decode,) int32
+    # gather path
+    decode_index: torch.Tensor | None = None  # (num_decode, max_len) int64 slots
+    decode_mask: torch.Tensor | None = None  # (num_decode, 1, 1, max_len) bool
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, runner_ctx: object) -> None:
+        super().__init__(runner_ctx)
+        ctx = self.ctx
+        # Decided once: the first call may compile the kernel (seconds, then cached on disk).
+        self.use_decode_kernel = (
+            torch.device(ctx.device).type == "cpu"
+            and cpu_kernels.supports(ctx.head_dim, ctx.num_heads, ctx.num_kv_heads, ctx.kv_pool.dtype)
+            and cpu_kernels.available()
+        )
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.ctx.req_to_token_pool.req_to_token
         rows = batch.req_pool_indices
@@ -55,9 +75,13 @@ class TorchAttentionBackend(AttentionBackend):
                 item.mask = torch.arange(seq, device=table.device)[None, :] <= q_pos[:, None]
             extends.append(item)
             start += n
-        meta = _Metadata(extends, start, None, None)
         n_dec = batch.batch_size - batch.num_extend_reqs
-        if n_dec:
+        meta = _Metadata(extends, start, n_dec)
+        if n_dec and self.use_decode_kernel:
+            # views (no copy) when ForwardBatch.build made them: int64 rows, int32 lengths
+            meta.decode_rows = rows[batch.num_extend_reqs :].to(torch.int64).contiguous()
+            meta.decode_seq_lens = batch.seq_lens[batch.num_extend_reqs :].to(torch.int32).contiguous()
+        elif n_dec:
             dec_lens = batch.seq_lens[batch.num_extend_reqs :]
             max_len = max(batch.seq_lens_cpu[batch.num_extend_reqs :])
             cols = torch.arange(max_len, device=table.device)
@@ -89,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=self.ctx.scaling, enable_gqa=True,
             )
             out[it.start : it.end] = o.transpose(0, 1)
-        if meta.decode_index is not None:
+        if meta.num_decode:
             s = meta.decode_start
             out[s:] = self._decode(q[s:], layer, meta)
         return out.flatten(1)
@@ -101,6 +125,8 @@ class TorchAttentionBackend(AttentionBackend):
         return self._decode(q, layer, batch.attn_metadata).flatten(1)
 
     def _decode(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:
+        if meta.decode_rows is not None:
+            return self._decode_kernel(q, layer, meta)
         b, n = meta.decode_index.shape
         hkv, d = self.ctx.num_kv_heads, self.ctx.head_dim
         flat = meta.decode_index.view(-1)
@@ -115,3 +141,12 @@ class TorchAttentionBackend(AttentionBackend):
         qg = q.view(b, hkv, -1, d)
         o = F.scaled_dot_product_attention(qg, ki, vi, attn_mask=meta.decode_mask, scale=self.ctx.scaling)
         return o.reshape(b, -1, d)  # (batch, heads, dim)
+
+    def _decode_kernel(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:
+        pool = self.ctx.kv_pool
+        kbuf, vbuf = pool.k_buffer(layer), pool.v_buffer(layer)  # (slots, kv_heads, dim)
+        out = cpu_kernels.paged_decode_attention(
+            q.to(kbuf.dtype), kbuf, vbuf, self.ctx.req_to_token_pool.req_to_token,
+            meta.decode_rows, meta.decode_seq_lens, self.ctx.scaling,
+        )
+        return out.to(q.dtype)  # (batch, heads, dim)

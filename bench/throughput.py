@@ -1,0 +1,138 @@
+"""Offline throughput of our Engine, side by side with a second configuration or vLLM.
+
+    # us vs vLLM's CPU backend (vLLM runs in its own venv, see bench/README.md)
+    python bench/throughput.py vllm --model small --rounds 2
+    # overlap vs normal loop, with the device idle gap between decode forwards
+    python bench/throughput.py overlap --model tiny
+    # radix cache vs none, and lpm vs fcfs, on a shared-prefix workload
+    python bench/throughput.py radix --model tiny
+    # scheduler CPU time per decode step per request at batch 64 and 256
+    python bench/throughput.py overhead --model tiny
+
+A and B alternate (A B A B ...) so drift on a shared machine hits both; each
+figure is the per-round ratio's median. Results go to docs/results/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import Request, shared_prefix_workload, throughput_workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
+
+
+def run_ours(model: str, requests: list[Request], threads: int, **config) -> dict:
+    """Build an Engine, warm it up, time generate() over the whole workload."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from tandem import Engine
+
+    with Engine(model, **config) as eng:
+        eng.generate([[11, 12, 13]] * 2, {"max_new_tokens": 4, "ignore_eos": True})
+        sps = [{"max_new_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True} for r in requests]
+        t = time.perf_counter()
+        outs = eng.generate([r.prompt_token_ids for r in requests], sps)
+        secs = time.perf_counter() - t
+        metrics = eng.flush_cache()[0].info.get("metrics", {})
+    out_tok = sum(o["meta"]["completion_tokens"] for o in outs)
+    assert out_tok == sum(r.max_new_tokens for r in requests), "ignore_eos runs must produce max_new_tokens"
+    cached = sum(o["meta"]["cached_tokens"] for o in outs)
+    return {"engine": "tandem", "seconds": secs, "output_tokens": out_tok, "output_tok_per_s": out_tok / secs,
+            "cached_tokens": cached, "metrics": metrics}
+
+
+def run_vllm(model_dir: str, dtype: str, n: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
+        subprocess.run([VLLM_PYTHON, str(ROOT / "bench/vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
+                        "--num-requests", str(n), "--out", f.name], check=True, env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(Path(f.name).read_text())
+
+
+def _ours_subprocess(args: argparse.Namespace, workload: str, config: dict) -> dict:
+    """Each of our runs in a fresh process, like vLLM's, so neither inherits the other's state."""
+    code = (f"import json,sys; sys.path.insert(0,{str(ROOT / 'bench')!r}); import throughput as t;"
+            f"print(json.dumps(t._ours_entry({args.model!r}, {workload!r}, {args.threads}, {config!r})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _workload(name: str, vocab: int) -> list[Request]:
+    if name == "shared":
+        return shared_prefix_workload(num_prefixes=8, prefix_len=1024, questions_per_prefix=16,
+                                      vocab_size=vocab, seed=0)
+    if name.startswith("batch"):
+        n = int(name[5:])
+        return throughput_workload(n=n, prompt_len=(32, 64), output_len=(64, 64), vocab_size=vocab, seed=0)
+    return throughput_workload(n=64, vocab_size=vocab, seed=0)
+
+
+def _ours_entry(model: str, workload: str, threads: int, config: dict) -> dict:
+    from transformers import AutoConfig
+
+    from tandem.engine.model_builder import resolve_model
+
+    path = str(resolve_model(model))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    return run_ours(path, _workload(workload, vocab), threads, **config)
+
+
+def compare(args: argparse.Namespace, a: tuple[str, callable], b: tuple[str, callable]) -> dict:
+    rows = []
+    for i in range(args.rounds):
+        ra, rb = a[1](), b[1]()
+        rows.append({a[0]: ra, b[0]: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]})
+        print(f"round {i}: {a[0]} {ra['output_tok_per_s']:.0f} tok/s, {b[0]} {rb['output_tok_per_s']:.0f} tok/s, "
+              f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+    return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["vllm", "overlap", "radix", "overhead"])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    base = {"dtype": args.dtype, "page_size": 16, "max_running_requests": 256}
+    ours = lambda wl, **kw: (lambda: _ours_subprocess(args, wl, {**base, **kw}))  # noqa: E731
+    if args.what == "vllm":
+        from tandem.engine.model_builder import resolve_model
+
+        path = str(resolve_model(args.model))
+        res = compare(args, ("tandem", ours("throughput")), ("vllm", lambda: run_vllm(path, args.dtype, 64)))
+    elif args.what == "overlap":
+        normal = ours("throughput", disable_overlap_schedule=True)
+        res = compare(args, ("overlap", ours("throughput")), ("normal", normal))
+    elif args.what == "radix":
+        res = {"radix_vs_none": compare(args, ("radix", ours("shared", schedule_policy="lpm")),
+                                        ("no_radix", ours("shared", disable_radix_cache=True))),
+               "lpm_vs_fcfs": compare(args, ("lpm", ours("shared", schedule_policy="lpm")),
+                                      ("fcfs", ours("shared", schedule_policy="fcfs")))}
+    else:
+        res = {f"batch{n}": ours(f"batch{n}", max_running_requests=n)() for n in (64, 256)}
+        for n, r in res.items():
+            print(f"{n}: {r['metrics'].get('overhead_per_req_step_us', 0):.1f} us per request per decode step")
+    res.update({"model": args.model, "dtype": args.dtype, "threads": args.threads}) if isinstance(res, dict) else None
+    out = ROOT / "docs/results" / f"throughput_{args.what}_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

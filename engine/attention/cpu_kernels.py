@@ -1,0 +1,145 @@
+"""Optional fused CPU attention kernels, compiled from csrc/ on first use.
+
+    csrc/paged_attention_cpu.cpp --(torch.utils.cpp_extension.load, ninja)--> .so
+        registers torch.ops.tandem_cpu.paged_decode_attention
+
+The build lives in $TANDEM_HOME/torch_extensions/<name>-<key>, where the key
+hashes the source, the compile flags, the torch version and the CPU's feature
+flags: an edited source or a different CPU (the build uses -march=native) gets
+a fresh build, an unchanged one is reused across processes in well under a
+second.
+
+`available()` never raises. It is False, with the reason logged once, when
+TANDEM_DISABLE_CPU_KERNELS=1, on a non-x86 CPU, or when the build fails (no
+compiler, no ninja, no OpenMP); callers then keep their pure-torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+_LDFLAGS = ["-fopenmp"]
+# head_dim values the kernel is instantiated for (see dispatch_dim in the source)
+SUPPORTED_HEAD_DIMS = frozenset({32, 64, 96, 128, 256})
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
+MAX_GROUP = 16  # query heads per kv head
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "reason": str; filled once by _load()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir(key: str) -> Path:
+    home = Path(os.environ.get("TANDEM_HOME", "~/.cache/tandem")).expanduser()
+    return home / "torch_extensions" / f"tandem_cpu_attn-{key}"
+
+
+def _load() -> None:
+    if os.environ.get("TANDEM_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+        raise RuntimeError("disabled by TANDEM_DISABLE_CPU_KERNELS")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"built for x86-64 only, this CPU is {platform.machine()}")
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    build_dir = _build_dir(key)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    # is_python_module=False: the .so only registers ops with the dispatcher (no pybind11).
+    cpp_extension.load(
+        name=f"tandem_cpu_attn_{key}",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
+    log.info("CPU attention kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+
+
+def available() -> bool:
+    """True when the fused CPU kernels are built and loaded. Never raises."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    _load()
+                    _state.update(ok=True, reason="")
+                except Exception as e:  # a missing compiler or ninja must not take the engine down
+                    reason = f"{type(e).__name__}: {e}".strip().splitlines()
+                    _state.update(ok=False, reason=reason[-1] if reason else type(e).__name__)
+                    log.warning(
+                        "CPU attention kernels unavailable, using torch fallback: %s", _state["reason"]
+                    )
+    return bool(_state["ok"])
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ('' when it is True)."""
+    available()
+    return str(_state["reason"])
+
+
+def supports(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> bool:
+    """Whether paged_decode_attention handles this shape and dtype (assumes available())."""
+    return (
+        head_dim in SUPPORTED_HEAD_DIMS
+        and dtype in SUPPORTED_DTYPES
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """Decode attention of one new token per request over its paged KV.
+
+    q (batch, heads, dim); k/v_buffer (slots, kv_heads, dim) in q's dtype;
+    req_to_token (rows, max_ctx) int32; req_pool_indices (batch,) int64;
+    seq_lens (batch,) int32, counting the new token. Request b attends to the
+    slots req_to_token[req_pool_indices[b], :seq_lens[b]]. Returns out
+    (batch, heads, dim) in q's dtype. num_splits 0 = choose by thread count.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    torch.ops.tandem_cpu.paged_decode_attention(
+        out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, float(scale), num_splits
+    )
+    return out
