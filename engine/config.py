@@ -107,6 +107,7 @@ class RunnerConfig:
     max_context_len: int | None = None  # None = model's max_position_embeddings
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
+    cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
     cuda_graph_max_bs: int = 160
     seed: int = 0
 

@@ -15,6 +15,7 @@ from tandem.engine.attention import create_backend
 from tandem.engine.config import ModelConfig, RunnerConfig
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.sampler import SampleOutput, SamplingBatch, sample
 
@@ -70,6 +71,8 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
 
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len)
+        if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
+            pack_linears(self.model)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         self.kv_pool = TokenToKVPool(
             self._num_pages(), self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,

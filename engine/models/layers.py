@@ -81,3 +81,55 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def row_bucket(n: int) -> int:
+    """Rows a CPU matmul is padded to. oneDNN builds (JITs) a kernel per new shape,
+    ~2 ms per call for a decode-sized matmul and ~20 ms for a prefill-sized one; a
+    batch that shrinks by one request per step would pay it every step. Buckets
+    bound the distinct shapes: multiples of 8 up to 64, of 32 up to 512, then 128."""
+    step = 8 if n <= 64 else 32 if n <= 512 else 128
+    return -(-n // step) * step
+
+
+def bucketed(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) computed on x padded to row_bucket(rows); returns the real rows."""
+    n = x.shape[0]
+    m = row_bucket(n)
+    if m == n:
+        return fn(x)
+    return fn(torch.nn.functional.pad(x, (0, 0, 0, m - n)))[:n]
+
+
+class PackedLinear(nn.Module):
+    """A bf16 nn.Linear whose weight is pre-reordered into oneDNN's blocked layout.
+
+    CPU-only: torch's plain bf16 matmul re-lays-out the weight on every call; packing
+    once at load time removes that (measured 1.2-1.7x on the small model's shapes).
+    Rows are padded to buckets so oneDNN reuses its compiled kernels (row_bucket)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bucketed(self._mm, x)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear."""
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(mod))
+    return len(targets)

@@ -17,7 +17,7 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tandem.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, bucketed
 
 
 class Attention(nn.Module):
@@ -91,4 +91,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, batch.positions, self.rope, backend, batch)
         # Only the last token of each request is sampled, so norm + lm_head run on those rows.
         x = self.norm(x[batch.logits_indices])
-        return torch.nn.functional.linear(x, self.lm_head.weight).float()
+        head = lambda h: torch.nn.functional.linear(h, self.lm_head.weight)  # noqa: E731
+        logits = bucketed(head, x) if x.device.type == "cpu" else head(x)
+        return logits.float()

@@ -10,8 +10,11 @@
 //     online softmax per g: running max m[g], running sum l[g], rescale acc[g]
 //     acc[g] += exp(S[g][t] - m[g]) * V[slot, h_kv]
 //
-// Every K and V row of (b, h_kv) is read exactly once and serves all G query
-// heads of its group. Accumulation is fp32 for fp32 and bf16 inputs.
+// Every K and V row of (b, h_kv) is read from the pool exactly once and serves
+// all G query heads of its group: per block it is staged into an L1 scratch
+// (see VPass for why), and the next block is prefetched into L2 meanwhile.
+// Accumulation is fp32. With AVX512-BF16, bf16 q.K and p.V use vdpbf16ps
+// (p rounded to bf16 for the p.V product, as torch's CPU flash attention does).
 //
 // Splits: when B * Hkv items are too few to keep every thread busy, each
 // sequence is cut into `num_splits` token ranges of `split_len`; each range
