@@ -128,7 +128,8 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear."""
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    # The LM head stays a plain weight: the model reads it directly (it may be tied).
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(mod))
