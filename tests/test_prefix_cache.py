@@ -6,131 +6,27 @@ the no-op cache misses, keeps nothing and evicts nothing. `Env.check` is the lea
 check: allocator pages in use == cached pages + pages held by running requests.
 """
 
-from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
+from __future__ import annotations
 
 import pytest
 import torch
+from prefix_cache_support import (
+    Env,
+    admit,
+    extend,
+    finish,
+    insert_owned,
+    make_env,
+    seq,
+)
 
 from tandem.engine.allocator import PageAllocator
 from tandem.engine.memory_pool import ReqToTokenPool
-from tandem.engine.prefix_cache import NoPrefixCache, PrefixCache, create_prefix_cache
+from tandem.engine.prefix_cache import NoPrefixCache, create_prefix_cache
 from tandem.engine.radix_cache import RadixCache
 
 
-@dataclass(eq=False)
-class FakeReq:
-    tokens: list[int]
-    kv_len: int  # positions [0, kv_len) of the row hold KV
-    req_pool_idx: int
-    prefix_indices: torch.Tensor
-    last_node: object
-
-    def kv_token_ids(self) -> list[int]:
-        return self.tokens[: self.kv_len]
-
-
-@dataclass
-class Env:
-    cache: PrefixCache
-    alloc: PageAllocator
-    pool: ReqToTokenPool
-    page: int
-    hits: bool
-    running: list[FakeReq] = field(default_factory=list)
-
-    def n(self, tokens: int) -> int:
-        """What a `tokens`-long hit comes to in this implementation."""
-        return tokens if self.hits else 0
-
-    def row(self, req: FakeReq) -> torch.Tensor:
-        return self.pool.req_to_token[req.req_pool_idx, : req.kv_len].long()
-
-    def check(self) -> None:
-        # A running request owns the pages of its row past its cached prefix.
-        held = [self.row(r)[len(r.prefix_indices) :] // self.page for r in self.running]
-        held_pages = sum(int(torch.unique(h).numel()) for h in held)
-        self.cache.check_integrity()
-        self.alloc.check_integrity(in_use_pages=self.cache.cached_pages() + held_pages)
-        self.pool.check_integrity(in_use=len(self.running))
-        for r in self.running:
-            prefix = r.prefix_indices
-            assert torch.equal(self.row(r)[: len(prefix)], prefix), "row does not start with the prefix"
-            # Locked prefixes are never evicted: they still match, slot for slot.
-            assert torch.equal(self.cache.match_prefix(r.tokens[: len(prefix)]).indices, prefix)
-
-    def take(self, prefix_len: int, extend_len: int, last_loc: int) -> torch.Tensor | None:
-        """Slots for positions [prefix_len, prefix_len + extend_len), evicting first if short."""
-        short = self.alloc.pages_needed(prefix_len, extend_len) * self.page - self.alloc.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        return self.alloc.alloc_extend([prefix_len], [extend_len], [last_loc])
-
-
-def make_env(kind: str, page_size: int, num_pages: int = 64) -> Env:
-    alloc = PageAllocator(num_pages, page_size, "cpu")
-    pool = ReqToTokenPool(8, 64 * page_size, "cpu")
-    cache = create_prefix_cache(kind == "none", pool, alloc, page_size)
-    return Env(cache, alloc, pool, page_size, hits=kind == "radix")
-
-
-@pytest.fixture(params=["radix", "none"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
-def env(kind: str, request: pytest.FixtureRequest) -> Env:
-    return make_env(kind, request.param)
-
-
-def seq(env: Env, *page_ids: int) -> list[int]:
-    """Whole pages of distinct tokens: page id k -> tokens k*1000 .. k*1000+P-1."""
-    return [k * 1000 + j for k in page_ids for j in range(env.page)]
-
-
-def insert_owned(env: Env, tokens: list[int]) -> tuple[int, torch.Tensor]:
-    """Allocate slots for `tokens`, insert them, and free the duplicates as a caller must."""
-    slots = env.alloc.alloc(len(tokens))
-    cached = env.cache.insert(tokens, slots)
-    env.alloc.free(slots[:cached])
-    return cached, slots
-
-
-def admit(env: Env, tokens: list[int], kv_len: int) -> FakeReq | None:
-    """Scheduler admission: match (capped at len-1), lock, take a row, prefill [prefix, kv_len)."""
-    match = env.cache.match_prefix(tokens[: len(tokens) - 1])
-    env.cache.inc_lock_ref(match.last_node)
-    prefix = len(match.indices)
-    slots = env.take(prefix, kv_len - prefix, 0)
-    if slots is None:
-        env.cache.dec_lock_ref(match.last_node)
-        return None
-    (row,) = env.pool.alloc(1)
-    env.pool.write(row, 0, torch.cat([match.indices, slots]))
-    env.running.append(FakeReq(list(tokens), kv_len, row, match.indices, match.last_node))
-    return env.running[-1]
-
-
-def extend(env: Env, req: FakeReq, n: int, new_tokens: list[int] | None = None) -> bool:
-    """Compute n more positions (rest of the prompt, then `new_tokens` as decoded output)."""
-    slots = env.take(req.kv_len, n, int(env.pool.req_to_token[req.req_pool_idx, req.kv_len - 1]))
-    if slots is None:
-        return False
-    req.tokens.extend((new_tokens or [])[: max(0, req.kv_len + n - len(req.tokens))])
-    env.pool.write(req.req_pool_idx, req.kv_len, slots)
-    req.kv_len += n
-    return True
-
-
-def finish(env: Env, req: FakeReq) -> None:
-    env.cache.cache_finished_req(req)
-    env.running.remove(req)
-
-
-# ---- matching and insertion ---------------------------------------------------------------
 def test_match_empty_partial_full_and_miss(env: Env) -> None:
     P = env.page
     for key in ([], seq(env, 1, 2)):  # empty cache
@@ -147,6 +43,16 @@ def test_match_empty_partial_full_and_miss(env: Env) -> None:
     assert torch.equal(env.cache.match_prefix(seq(env, 1, 9)).indices, want[:P])
     assert env.cache.match_prefix(seq(env, 9)).indices.numel() == 0
     env.check()
+
+
+@pytest.fixture(params=["radix", "none"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(params=[1, 16], ids=["page1", "page16"])
+def env(kind: str, request: pytest.FixtureRequest) -> Env:
+    return make_env(kind, request.param)
 
 
 def test_split_only_at_page_boundaries(env: Env) -> None:
@@ -305,46 +211,3 @@ def test_radix_integrity_check_catches_corruption() -> None:
 
 
 # ---- randomized property test ---------------------------------------------------------
-def random_step(env: Env, rng: random.Random, bases: list[list[int]]) -> int:
-    """One random scheduler action; returns tokens evicted by an explicit evict."""
-    op = rng.choice(["admit", "admit", "extend", "extend", "finish", "evict", "match"])
-    if op == "admit" and env.pool.available_size() and len(env.running) < 6:
-        base = rng.choice(bases)
-        prompt = base[: rng.randint(2, len(base))] + [rng.randrange(50) for _ in range(rng.randrange(6))]
-        prefix = len(env.cache.match_prefix(prompt[:-1]).indices)
-        admit(env, prompt, kv_len=rng.randint(prefix + 1, len(prompt)))  # maybe a first chunk
-    elif op == "extend" and env.running:
-        req = rng.choice(env.running)
-        n = min(rng.randint(1, 2 * env.page), env.pool.max_context_len - req.kv_len)
-        if n and extend(env, req, n, new_tokens=[rng.randrange(50) for _ in range(n)]) and rng.random() < 0.6:
-            env.cache.cache_unfinished_req(req)
-    elif op == "finish" and env.running:
-        finish(env, rng.choice(env.running))
-    elif op == "evict":
-        protected = env.cache.protected_size()
-        freed = env.cache.evict(rng.randint(1, 4 * env.page))
-        assert env.cache.protected_size() == protected, "evict touched a locked node"
-        return freed
-    elif op == "match":
-        env.cache.match_prefix(rng.choice(bases)[: rng.randrange(40)])
-    return 0
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_random_workload_keeps_integrity(kind: str, page_size: int, seed: int) -> None:
-    rng = random.Random(seed)
-    # ~90 tokens of KV: small enough that admissions and extends have to evict.
-    env = make_env(kind, page_size, num_pages=24 if page_size == 4 else 90)
-    bases = [[rng.randrange(6) for _ in range(rng.randint(8, 24))] for _ in range(4)]
-    evicted = 0
-    for _ in range(250):
-        evicted += random_step(env, rng, bases)
-        env.check()
-    while env.running:
-        finish(env, env.running[0])
-    env.check()
-    assert (env.cache.evict(10**6) > 0 or evicted > 0) == env.hits
-    env.cache.reset()
-    assert env.alloc.used_pages == 0
-    env.check()
