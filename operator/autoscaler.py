@@ -47,7 +47,7 @@ class Plan:
 def to_iso(ts: float | None) -> str | None:
     if ts is None:
         return None
-    return datetime.datetime.fromtimestamp(ts, tz=datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def from_iso(value: Any) -> float | None:
@@ -55,7 +55,7 @@ def from_iso(value: Any) -> float | None:
         return None
     try:
         return datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=datetime.timezone.utc).timestamp()
+            tzinfo=datetime.UTC).timestamp()
     except ValueError:
         return None
 

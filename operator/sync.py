@@ -42,7 +42,7 @@ class SyncResult:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _failed(cr: dict[str, Any], reason: str, message: str, error: Exception) -> SyncResult:

@@ -206,3 +206,31 @@ def test_bad_requests_get_clear_errors(model_path) -> None:
             out = eng.generate([ids], sp)[0]
             assert out["finish_reason"] == "abort" and out["meta"]["finish_message"]
         assert all(r.ok for r in eng.flush_cache())
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_priority_preempts_lower_priority_running_requests(model_path, overlap: bool) -> None:
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
+                 enable_priority_scheduling=True, priority_scheduling_preemption_threshold=1,
+                 disable_overlap_schedule=not overlap)
+    try:
+        long = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}
+        low = [eng._submit([1, 2, 3, i], long, priority=0) for i in range(2)]
+        time.sleep(0.3)  # both low-priority requests are decoding
+        high = eng._submit([4, 5, 6], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, priority=5)
+        last = eng._get(high[1], timeout=60)
+        while not last.finished:
+            last = eng._get(high[1], timeout=60)
+        assert last.completion_tokens == 4
+        lows = []
+        for rid, q, _ in low:
+            out = eng._get(q, timeout=120)
+            while not out.finished:
+                out = eng._get(q, timeout=120)
+            lows.append(out)
+            eng._close(rid)
+        assert all(o.completion_tokens == 150 for o in lows)
+        assert sum(o.retract_count for o in lows) >= 1, "no running request was preempted"
+        assert all(r.ok for r in eng.flush_cache())
+    finally:
+        eng.shutdown()

@@ -73,7 +73,7 @@ class StampingEmulator(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if request.action == enums.action.CREATE or upsert:
                 meta.update(uid=str(uuid.uuid4()), generation=1, resourceVersion=self._next_rv(),
-                            creationTimestamp=datetime.datetime.now(datetime.timezone.utc)
+                            creationTimestamp=datetime.datetime.now(datetime.UTC)
                             .strftime("%Y-%m-%dT%H:%M:%SZ"))
             elif request.action == enums.action.UPDATE:
                 old = self._live(key) or {}
