@@ -34,8 +34,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         batch: ForwardBatch,
     ) -> torch.Tensor:
@@ -46,7 +45,7 @@ class Attention(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
 
@@ -61,12 +60,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, batch)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -87,8 +85,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
         x = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rope.lookup(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, batch.positions, self.rope, backend, batch)
+            x = layer(x, cos_sin, backend, batch)
         # Only the last token of each request is sampled, so norm + lm_head run on those rows.
         x = self.norm(x[batch.logits_indices])
         head = lambda h: torch.nn.functional.linear(h, self.lm_head.weight)  # noqa: E731
