@@ -80,7 +80,6 @@ class Req:
     finished_reason: FinishReason | None = None
     to_finish: FinishReason | None = None  # set mid-step (abort), applied at the next check
     # streaming / timing
-    output_text: str = ""
     stream_offset: int = 0  # output tokens already streamed
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -106,9 +105,11 @@ class Req:
         return (self.origin_input_ids + self.output_ids)[: self.kv_committed_len]
 
     def check_invariants(self) -> None:
-        assert 0 <= self.kv_committed_len <= self.seqlen, self.rid
+        # +1: under overlap the slot of a sampled-but-unprocessed token is already committed.
+        assert 0 <= self.kv_committed_len <= self.seqlen + 1, self.rid
         assert self.req_pool_idx is not None or self.kv_committed_len == 0, self.rid
-        assert not self.fill_ids or self.prefix_len <= len(self.fill_ids), self.rid
+        if self.status in (ReqStatus.EXTENDING, ReqStatus.CHUNKED):  # fill_ids is this round's input
+            assert self.prefix_len <= len(self.fill_ids), self.rid
         assert self.extend_input_len >= 0, self.rid
 
     # ---- scheduling ------------------------------------------------------------------------

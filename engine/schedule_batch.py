@@ -64,6 +64,7 @@ class ScheduleBatch:
         for r in self.reqs:
             r.status = ReqStatus.CHUNKED if r.is_chunked else ReqStatus.EXTENDING
             r.is_retracted = False
+            r.check_invariants()
 
     def mix_with_running(self, running: ScheduleBatch, cache: CacheManager) -> None:
         """Append the running decode batch to this extend batch: one MIXED forward."""
@@ -87,6 +88,7 @@ class ScheduleBatch:
         self.num_extend_reqs = 0
         for r in self.reqs:
             r.status = ReqStatus.DECODING
+            r.check_invariants()
 
     # ---- membership -------------------------------------------------------------------------
     def filter_batch(self, keep: list[int] | None = None, exclude: Req | None = None) -> None:

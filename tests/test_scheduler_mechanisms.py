@@ -234,3 +234,17 @@ def test_priority_preempts_lower_priority_running_requests(model_path, overlap: 
         assert all(r.ok for r in eng.flush_cache())
     finally:
         eng.shutdown()
+
+
+def test_waiting_and_running_timeouts_abort(model_path) -> None:
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048, max_running_requests=1,
+                 waiting_timeout=0.2, running_timeout=1.0, disable_overlap_schedule=True)
+    try:
+        sp = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        runs, waits = eng.generate([[1, 2, 3], [4, 5, 6]], sp)
+        assert runs["finish_reason"] == "abort" and "running_timeout" in runs["meta"]["finish_message"]
+        assert waits["finish_reason"] == "abort" and "waiting_timeout" in waits["meta"]["finish_message"]
+        assert waits["meta"]["completion_tokens"] == 0
+        assert all(r.ok for r in eng.flush_cache())
+    finally:
+        eng.shutdown()
