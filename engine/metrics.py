@@ -29,6 +29,12 @@ class SchedulerMetrics:
     # their results, and the request-steps it covered: overhead per request per step.
     decode_overhead_time: float = 0.0
     decode_overhead_req_steps: int = 0
+    # Load at the last step, and its peaks (the servers export these as gauges).
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    peak_running: int = 0
+    peak_kv_usage: float = 0.0
     _last_forward_end: float | None = None
     _last_was_decode: bool = False
 
@@ -63,6 +69,11 @@ class SchedulerMetrics:
             if len(req.output_ids) > 1 and req.last_token_time is not None:
                 self.tpot.append((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1))
 
+    def on_step(self, num_waiting: int, num_running: int, kv_usage: float) -> None:
+        self.num_waiting, self.num_running, self.kv_usage = num_waiting, num_running, kv_usage
+        self.peak_running = max(self.peak_running, num_running)
+        self.peak_kv_usage = max(self.peak_kv_usage, kv_usage)
+
     def on_overhead(self, batch: Any, seconds: float) -> None:
         if batch is not None and not batch.mode.is_extend():
             self.decode_overhead_time += seconds
@@ -95,5 +106,10 @@ class SchedulerMetrics:
             "decode_idle_fraction": self.decode_idle_fraction,
             "overhead_per_req_step_us": self.overhead_per_req_step_us,
             "generated_tokens": self.generated_tokens,
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "kv_usage": self.kv_usage,
+            "peak_running": self.peak_running,
+            "peak_kv_usage": self.peak_kv_usage,
             "time": time.time(),
         }

@@ -182,8 +182,12 @@ class Scheduler:
         self.decode.running_batch.filter_batch()
 
     # ---- running ----------------------------------------------------------------------------------
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def record_step(self, batch: ScheduleBatch) -> None:
         self.metrics.on_launch(batch)
+        self.metrics.on_step(len(self.prefill.waiting_queue), len(self.decode.reqs), self.cache.usage())
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        self.record_step(batch)
         return self.worker.forward_batch_generation(batch.get_model_worker_batch())
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -256,7 +260,7 @@ class Scheduler:
             if consecutive_prefill and in_flight:
                 pop_and_process()
             if batch is not None:
-                self.metrics.on_launch(batch)
+                self.record_step(batch)
                 fut, future_ids = self.overlap.launch(batch.get_model_worker_batch())
                 batch.output_ids = future_ids  # the next decode step feeds these in
                 in_flight.append((batch.snapshot(), fut))

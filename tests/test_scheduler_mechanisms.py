@@ -248,3 +248,30 @@ def test_waiting_and_running_timeouts_abort(model_path) -> None:
         assert all(r.ok for r in eng.flush_cache())
     finally:
         eng.shutdown()
+
+
+def test_dp_budget_dispatch_methods() -> None:
+    from tandem.engine.dp_controller import DPBudget
+    from tandem.engine.io_struct import GenerateReqInput
+
+    msg = lambda room=None: GenerateReqInput("r", [1], bootstrap_room=room)  # noqa: E731
+    b = DPBudget(3)
+    assert [b.dispatch("round_robin", msg()) for _ in range(4)] == [0, 1, 2, 0]
+    b.add(0, 100)
+    b.add(1, 10)
+    assert b.dispatch("total_requests", msg()) == 2
+    b.add(2, 50)
+    assert b.dispatch("total_tokens", msg()) == 1
+    b.remove(0, 100)
+    assert b.dispatch("total_tokens", msg()) == 0
+    assert b.dispatch("follow_bootstrap_room", msg(room=7)) == 1
+    with pytest.raises(ValueError):
+        b.dispatch("follow_bootstrap_room", msg())
+
+
+def test_step_metrics_track_load(model_path) -> None:
+    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048) as eng:
+        eng.generate([[1, 2, 3]] * 4, {"max_new_tokens": 8, "temperature": 0})
+        m = eng.flush_cache()[0].info["metrics"]
+    assert m["peak_running"] == 4 and 0 < m["peak_kv_usage"] < 1
+    assert m["ttft_mean"] > 0 and m["tpot_mean"] > 0 and m["decode_batches"] >= 7
