@@ -133,24 +133,24 @@ class Engine:
         hold = stream_holdback(stops)
         rid, q, _ = self._submit(prompt, sp)
         detok = IncrementalDetokenizer(self.tokenizer)
-        sent = 0
+        sent, finished = 0, False
         try:
-            while True:
+            while not finished:
                 out: ReqOutput = self._get(q)
+                finished = out.finished
                 detok.step(out.token_ids)
                 text = detok.text
                 hit = find_stop(text, len(text), stops) if stops else None
                 if hit is not None:
                     text = text[: hit[0]]
-                end = len(text) if out.finished or hit else max(len(text) - hold, sent)
-                yield {"text": text[sent:end], "token_ids": out.token_ids, "finished": out.finished,
+                end = len(text) if finished or hit else max(len(text) - hold, sent)
+                yield {"text": text[sent:end], "token_ids": out.token_ids, "finished": finished,
                        "finish_reason": (out.finish_reason or {}).get("kind")}
                 sent = end
-                if out.finished:
-                    return
         finally:
-            if not detok.ids or sent >= 0:
-                self._close(rid)
+            if not finished:  # the consumer stopped early: free the request's KV now
+                self.abort(rid)
+            self._close(rid)
 
     def abort(self, rid: str) -> None:
         self._backend.send(AbortReq(rid))

@@ -275,3 +275,16 @@ def test_step_metrics_track_load(model_path) -> None:
         m = eng.flush_cache()[0].info["metrics"]
     assert m["peak_running"] == 4 and 0 < m["peak_kv_usage"] < 1
     assert m["ttft_mean"] > 0 and m["tpot_mean"] > 0 and m["decode_batches"] >= 7
+
+
+def test_closing_a_stream_early_aborts_the_request(model_path) -> None:
+    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048) as eng:
+        stream = eng.generate_stream([1, 2, 3], {"max_new_tokens": 500, "ignore_eos": True})
+        next(stream)
+        stream.close()
+        for _ in range(100):  # the abort lands at the request's next step
+            replies = eng.flush_cache()
+            if all(r.ok for r in replies):
+                break
+            time.sleep(0.05)
+        assert all(r.ok for r in replies), replies
