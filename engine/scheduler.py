@@ -174,10 +174,10 @@ class Scheduler:
             key=lambda r: (r.priority, -r.arrival_time),
         )
         for v in victims:
-            self.decode.release_for_retract(v)
+            self.decode.release_for_retract(v)  # its KV goes to the prefix cache: evictable now
             self.prefill.add(v)
-            need -= v.seqlen
-            if need <= self.cache.available_tokens() and len(self.decode.reqs) - 1 < cfg.max_running_requests:
+            left = sum(1 for r in self.decode.reqs if not (r.is_retracted or r.finished()))
+            if left < cfg.max_running_requests and self.cache.available_tokens() >= need:
                 break
         self.decode.running_batch.filter_batch()
 
