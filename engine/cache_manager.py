@@ -102,9 +102,7 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """The request stops holding KV (finished, aborted or retracted): its KV goes to
         the prefix cache (or is freed) and its row is returned."""
-        if req.req_pool_idx is None:
-            if req.last_node is not None:  # matched but never admitted
-                req.last_node = None
+        if req.req_pool_idx is None:  # never admitted: it holds no KV and no lock
             return
         self._drop_unknown_tail(req)
         self.tree.cache_finished_req(req)
@@ -138,17 +136,11 @@ class CacheManager:
         return _FreeGroup(self.allocator)
 
     # ---- integrity ------------------------------------------------------------------------
-    def check_integrity(self, running: list[Req]) -> None:
-        """Pages in use == pages held by the cache + pages owned by running requests."""
+    def check_integrity(self) -> None:
+        """With no request running: every page in use belongs to the prefix cache."""
         self.tree.check_integrity()
-        P = self.page_size
-        owned = 0
-        for r in running:
-            if r.req_pool_idx is not None:
-                owned += -(-r.kv_committed_len // P) - len(r.prefix_indices) // P
-        cached_pages = self.tree.total_size() // P
-        self.allocator.check_integrity(in_use_pages=cached_pages + owned)
-        self.req_to_token_pool.check_integrity(in_use=sum(r.req_pool_idx is not None for r in running))
+        self.allocator.check_integrity(in_use_pages=self.tree.cached_pages())
+        self.req_to_token_pool.check_integrity(in_use=0)
 
 
 class _FreeGroup:

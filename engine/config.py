@@ -109,7 +109,6 @@ class RunnerConfig:
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
     cuda_graph_max_bs: int = 160
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -101,11 +101,13 @@ class DecodeManager:
         retracted: list[Req] = []
         if not self.check_decode_mem():
             retracted = self.retract_decode()
-            total_ratio = sum(min(r.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
-                              for r in self.reqs) or 1
-            remaining = sum(r.sampling_params.max_new_tokens - len(r.output_ids) for r in self.reqs)
-            # Raise the ratio toward what the survivors actually still need.
-            self.new_token_ratio = min(1.0, max(self.new_token_ratio, remaining / total_ratio + 0.1))
+            # Congestion: reserve at least what the survivors have decoded plus the
+            # retract horizon, as a share of the most they may decode.
+            decoded = sum(len(r.output_ids) for r in self.reqs)
+            budget = sum(min(r.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
+                         for r in self.reqs) or 1
+            horizon = self.config.retract_decode_steps * len(self.reqs)
+            self.new_token_ratio = min(1.0, max(self.new_token_ratio, (decoded + horizon) / budget))
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         if batch.is_empty():

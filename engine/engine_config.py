@@ -75,7 +75,6 @@ class EngineConfig:
             max_total_tokens=self.max_total_tokens, mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
             attention_backend=self.attention_backend, disable_cuda_graph=self.disable_cuda_graph,
-            seed=self.seed,
         )
 
     @classmethod

@@ -66,19 +66,8 @@ class AdminResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class SchedulerStats:
-    """Load report, for DP dispatch and metrics."""
-
-    dp_rank: int
-    num_running: int
-    num_waiting: int
-    num_tokens: int
-    kv_usage: float
-
-
 _TYPES = {t.__name__: t for t in (
-    GenerateReqInput, AbortReq, FlushCacheReq, ShutdownReq, ReqOutput, AdminResult, SchedulerStats)}
+    GenerateReqInput, AbortReq, FlushCacheReq, ShutdownReq, ReqOutput, AdminResult)}
 
 
 def encode(msg: Any) -> bytes:

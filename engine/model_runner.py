@@ -96,7 +96,9 @@ class ModelRunner:
             tokens = cfg.max_total_tokens
         else:
             per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=self.dtype).element_size()
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            # Packed linears keep their weights as buffers, so count both.
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            weights = sum(t.numel() * t.element_size() for t in tensors)
             budget = _available_memory_bytes(self.device) * cfg.mem_fraction_static - weights
             tokens = max(int(budget // per_token), 4 * self.page_size)
             if self.device.type == "cpu":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -58,8 +59,6 @@ class ModelWorker:
     def forward_batch_generation(
         self, mwb: ModelWorkerBatch, future_map: FutureMap | None = None, future_idx: torch.Tensor | None = None
     ) -> GenerationBatchResult:
-        import time
-
         start = time.perf_counter()
         dev = self.runner.device
         input_ids = mwb.input_ids.to(dev, non_blocking=True)

@@ -31,7 +31,6 @@ from tandem.engine.io_struct import (
     FlushCacheReq,
     GenerateReqInput,
     ReqOutput,
-    SchedulerStats,
     ShutdownReq,
 )
 from tandem.engine.metrics import SchedulerMetrics
@@ -75,9 +74,10 @@ class Scheduler:
         self.worker = ModelWorker(runner)
         self.overlap: OverlapWorker | None = None
         if config.enable_overlap:
-            self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests * 2, runner.device))
+            self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests, runner.device))
         self.last_batch: ScheduleBatch | None = None
         self.running = True
+        self._idle_checked = False
         self.reqs: dict[str, Req] = {}
 
     # ---- input ---------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class Scheduler:
             return AdminResult(request_id, False, {"error": "busy: requests are running"})
         try:
             self.cache.tree.reset()
-            self.cache.check_integrity(running=[])
+            self.cache.check_integrity()
             free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
             return AdminResult(request_id, free == cap, {"free_tokens": free, "capacity_tokens": cap,
                                                          "metrics": self.metrics.snapshot()})
@@ -183,6 +183,7 @@ class Scheduler:
 
     # ---- running ----------------------------------------------------------------------------------
     def record_step(self, batch: ScheduleBatch) -> None:
+        self._idle_checked = False
         self.metrics.on_launch(batch)
         self.metrics.on_step(len(self.prefill.waiting_queue), len(self.decode.reqs), self.cache.usage())
 
@@ -204,17 +205,13 @@ class Scheduler:
                 self.reqs.pop(r.rid, None)
 
     def self_check_during_idle(self) -> None:
-        if not self.idle():
+        """On entering idle: reset congestion control and check the pools, once."""
+        if not self.idle() or self._idle_checked:
             return
+        self._idle_checked = True
         self.metrics.mark_idle()
         self.decode.new_token_ratio = self.decode.init_new_token_ratio
-        self.cache.check_integrity(running=[])
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            self.dp_rank, len(self.decode.reqs), len(self.prefill.waiting_queue),
-            sum(r.seqlen for r in self.decode.reqs), self.cache.usage(),
-        )
+        self.cache.check_integrity()
 
     # ---- loops ----------------------------------------------------------------------------------------
     def idle(self) -> bool:

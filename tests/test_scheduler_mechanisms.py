@@ -272,7 +272,9 @@ def test_dp_budget_dispatch_methods() -> None:
 def test_step_metrics_track_load(model_path) -> None:
     with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048) as eng:
         eng.generate([[1, 2, 3]] * 4, {"max_new_tokens": 8, "temperature": 0})
-        m = eng.flush_cache()[0].info["metrics"]
+        reply = eng.flush_cache()[0]
+        assert reply.ok, reply.info
+        m = reply.info["metrics"]
     assert m["peak_running"] == 4 and 0 < m["peak_kv_usage"] < 1
     assert m["ttft_mean"] > 0 and m["tpot_mean"] > 0 and m["decode_batches"] >= 7
 
