@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tandem.engine.attention import cpu_kernels
+from tandem.engine import cpu_kernels
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool

@@ -4,8 +4,10 @@
 
 Cases: prefill of 8 x 256 tokens, and one decode step at batch 1, 16 and 64
 with 256 cached tokens per request. HF runs eager (its default SDPA attention,
-DynamicCache); ours runs the paged pool and the torch CPU backend. Each figure
-is the median of --repeat runs after a warm-up; the ratio is HF / ours.
+DynamicCache); ours runs the paged pool and the torch CPU backend. The two
+alternate round by round (--rounds, each the median of --repeat calls) so that
+the shared machine's slow phases hit both; the ratio is HF / ours, the median
+of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import torch
 
 
 def _median_ms(fn, repeat: int) -> float:
-    fn()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
@@ -29,7 +30,8 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _ours(path: str, dtype: str, batch: int, ctx: int, repeat: int) -> tuple[float, float]:
+def _ours(path: str, dtype: str, batch: int, ctx: int):
+    """The case's timed step on our runner: prefill of batch x ctx (batch 8), else one decode step."""
     from tandem.engine.config import RunnerConfig
     from tandem.engine.model_runner import ModelRunner
     from tandem.engine.static_generate import StaticBatch
@@ -39,37 +41,51 @@ def _ours(path: str, dtype: str, batch: int, ctx: int, repeat: int) -> tuple[flo
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, runner.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
+    if batch == 8:
+        def prefill() -> None:
+            seqs = sb.new(batch)
+            sb.forward(seqs, prompts)
+            sb.release(seqs)
 
-    def prefill() -> None:
-        seqs = sb.new(batch)
-        sb.forward(seqs, prompts)
-        sb.release(seqs)
-
-    prefill_ms = _median_ms(prefill, repeat) if batch == 8 else float("nan")
+        return prefill
     seqs = sb.new(batch)
     sb.forward(seqs, prompts)
-    step = lambda: sb.forward(seqs, [[7]] * batch)  # noqa: E731
-    decode_ms = _median_ms(step, repeat)
-    sb.release(seqs)
-    return prefill_ms, decode_ms
+    return lambda: sb.forward(seqs, [[7]] * batch)
 
 
-@torch.inference_mode()
-def _hf(path: str, dtype: str, batch: int, ctx: int, repeat: int) -> tuple[float, float]:
+def _hf(path: str, dtype: str, batch: int, ctx: int):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, model.config.vocab_size, (batch, ctx), generator=g)
-    prefill_ms = _median_ms(lambda: model(ids[:8], use_cache=True), repeat) if batch == 8 else float("nan")
-    cache = model(ids, use_cache=True).past_key_values
+    if batch == 8:
+        return lambda: model(ids, use_cache=True)
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).past_key_values
     nxt = torch.full((batch, 1), 7)
 
     def step() -> None:
         model(nxt, past_key_values=cache, use_cache=True)
         cache.crop(-1)  # drop the token just added: every timed step sees the same context
 
-    return prefill_ms, _median_ms(step, repeat)
+    return step
+
+
+@torch.inference_mode()
+def _case(path: str, dtype: str, batch: int, ctx: int, rounds: int, repeat: int) -> dict:
+    """Rounds alternate ours and HF, so a slow phase of the shared machine hits both;
+    the ratio is the median of the per-round ratios."""
+    ours, hf = _ours(path, dtype, batch, ctx), _hf(path, dtype, batch, ctx)
+    ours(), hf()  # warm-up: kernel builds, oneDNN JIT, allocator
+    o_ms, h_ms = [], []
+    for _ in range(rounds):
+        o_ms.append(_median_ms(ours, repeat))
+        h_ms.append(_median_ms(hf, repeat))
+    name = f"prefill {batch}x{ctx}" if batch == 8 else f"decode bs={batch} ctx={ctx}"
+    return {"case": name, "ours_ms": statistics.median(o_ms), "hf_ms": statistics.median(h_ms),
+            "hf_over_ours": statistics.median(h / o for h, o in zip(h_ms, o_ms)),
+            "round_ratios": [round(h / o, 3) for h, o in zip(h_ms, o_ms)]}
 
 
 def main() -> None:
@@ -77,7 +93,8 @@ def main() -> None:
     ap.add_argument("--model", default="small")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=3, help="timed calls per round")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -87,14 +104,7 @@ def main() -> None:
     path = str(resolve_model(args.model))
     rows = []
     for batch in (8, 1, 16, 64):
-        ours_p, ours_d = _ours(path, args.dtype, batch, args.ctx, args.repeat)
-        hf_p, hf_d = _hf(path, args.dtype, batch, args.ctx, args.repeat)
-        if batch == 8:
-            rows.append({"case": f"prefill 8x{args.ctx}", "ours_ms": ours_p, "hf_ms": hf_p,
-                         "hf_over_ours": hf_p / ours_p})
-        else:
-            rows.append({"case": f"decode bs={batch} ctx={args.ctx}", "ours_ms": ours_d, "hf_ms": hf_d,
-                         "hf_over_ours": hf_d / ours_d})
+        rows.append(_case(path, args.dtype, batch, args.ctx, args.rounds, args.repeat))
         print(json.dumps(rows[-1]), flush=True)
     result = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "rows": rows,
               "torch": torch.__version__}

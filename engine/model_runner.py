@@ -73,6 +73,8 @@ class ModelRunner:
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len)
         if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
             pack_linears(self.model)
+        if self.device.type == "cpu":
+            self.model.enable_cpu_kernels()
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
         self.kv_pool = TokenToKVPool(
             self._num_pages(), self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,

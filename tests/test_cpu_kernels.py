@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.attention import cpu_kernels
+from tandem.engine import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"

@@ -7,24 +7,45 @@ activation dtype) so that fp32 logits match it to ~1e-5.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import cpu_kernels
+
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally fused with the residual add that precedes it.
+
+    `use_kernel` (set by enable_cpu_kernels) routes 2-D inputs through the fused CPU
+    op, which rounds exactly where this torch chain does."""
+
+    use_kernel = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel and x.dim() == 2:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). The kernel path updates both in place,
+        so x and residual must be tensors this forward owns."""
+        if self.use_kernel:
+            cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -44,6 +65,15 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(factor)
 
 
+@dataclass
+class RopeBatch:
+    """One forward's RoPE inputs, shared by all layers."""
+
+    positions: torch.Tensor  # (tokens,) int64
+    cos: torch.Tensor  # torch path: (tokens, 1, dim) in the activation dtype; kernel path: the fp32 table
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table."""
 
@@ -55,16 +85,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of each token's position, (tokens, 1, dim); once per forward, shared by all layers."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def for_batch(self, positions: torch.Tensor, dtype: torch.dtype, use_kernel: bool) -> RopeBatch:
+        """Once per forward. The torch path looks cos/sin up per token here; the fused
+        kernel reads the tables itself."""
+        if use_kernel:
+            return RopeBatch(positions, self.cos, self.sin)
+        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return RopeBatch(positions, cos[:, None, :], sin[:, None, :])
 
     @staticmethod
-    def apply(
-        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(rb: RopeBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, dim), k: (tokens, kv_heads, dim)
-        cos, sin = cos_sin
+        cos, sin = rb.cos, rb.sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -76,6 +108,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one matmul."""
 
+    use_kernel = False
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.intermediate = intermediate
@@ -83,7 +117,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_kernel:
+            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -7,6 +7,14 @@ module runs prefill, decode and mixed batches.
 
     hidden (T, H) --qkv_proj--> q (T, Hq, D) | k (T, Hkv, D) | v (T, Hkv, D)
                   [qk-norm] -> RoPE -> backend.forward -> o_proj
+
+Layers pass a residual stream (SGLang's style): each norm after the first adds
+the residual in the same pass, which the fused CPU op does in place.
+
+    x, r = input_layernorm(x, r)   # r += x; x = norm(r)
+    x = self_attn(x)
+    x, r = post_attention_layernorm(x, r)
+    x = mlp(x)
 """
 
 from __future__ import annotations
@@ -14,13 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.engine import cpu_kernels
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, bucketed
+from tandem.engine.models.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, bucketed
 
 
 class Attention(nn.Module):
+    use_kernel = False  # fused qk-norm + RoPE, in place on the qkv rows
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -34,18 +45,26 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeBatch,
         backend: AttentionBackend,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.use_kernel:
+            qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
+            cpu_kernels.rope_qk(
+                qkv, rope.positions, rope.cos, rope.sin, qn, kn,
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            )
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        if not self.use_kernel:
+            if cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
 
 
@@ -60,15 +79,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
+        rope: RopeBatch,
         backend: AttentionBackend,
         batch: ForwardBatch,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual)
+        x = self.self_attn(x, rope, backend, batch)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
+    use_kernels = False
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -82,14 +109,31 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def enable_cpu_kernels(self) -> bool:
+        """Route norms, SiLU*mul and qk-norm+RoPE through the fused CPU ops when they
+        are built and handle this model; returns whether they are on."""
+        cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
+        on = (
+            self.embed_tokens.weight.device.type == "cpu"
+            and cpu_kernels.available()
+            and cpu_kernels.supports_layer_ops(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, dtype)
+        )
+        for mod in self.modules():
+            if isinstance(mod, (RMSNorm, GatedMLP, Attention)):
+                mod.use_kernel = on
+        self.use_kernels = on
+        return on
+
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
         x = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rope.lookup(batch.positions, x.dtype)
+        rope = self.rope.for_batch(batch.positions, x.dtype, self.use_kernels)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos_sin, backend, batch)
+            x, residual = layer(x, residual, rope, backend, batch)
         # Only the last token of each request is sampled, so norm + lm_head run on those rows.
-        x = self.norm(x[batch.logits_indices])
+        idx = batch.logits_indices
+        x, _ = self.norm.add_forward(x[idx], residual[idx])
         head = lambda h: torch.nn.functional.linear(h, self.lm_head.weight)  # noqa: E731
         logits = bucketed(head, x) if x.device.type == "cpu" else head(x)
         return logits.float()

@@ -1,7 +1,9 @@
-"""Optional fused CPU attention kernels, compiled from csrc/ on first use.
+"""Optional fused CPU kernels, compiled from csrc/ on first use.
 
-    csrc/paged_attention_cpu.cpp --(torch.utils.cpp_extension.load, ninja)--> .so
-        registers torch.ops.tandem_cpu.paged_decode_attention
+    csrc/paged_attention_cpu.cpp  paged decode attention  \
+    csrc/layer_ops_cpu.cpp        norm, SiLU*mul, RoPE     --(cpp_extension.load, ninja)--> one .so
+    csrc/vec16.h                  their 16-lane vector layer /
+        registers torch.ops.tandem_cpu.*
 
 The build lives in $TANDEM_HOME/torch_extensions/<name>-<key>, where the key
 hashes the source, the compile flags, the torch version and the CPU's feature
@@ -28,7 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+_HEADERS = ("vec16.h",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 # head_dim values the kernel is instantiated for (see dispatch_dim in the source)
@@ -52,7 +56,7 @@ def _cpu_flags() -> str:
 
 def _build_dir(key: str) -> Path:
     home = Path(os.environ.get("TANDEM_HOME", "~/.cache/tandem")).expanduser()
-    return home / "torch_extensions" / f"tandem_cpu_attn-{key}"
+    return home / "torch_extensions" / f"tandem_cpu-{key}"
 
 
 def _load() -> None:
@@ -62,17 +66,17 @@ def _load() -> None:
         raise RuntimeError(f"built for x86-64 only, this CPU is {platform.machine()}")
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
+    texts = [(_CSRC / f).read_bytes() for f in (*_SOURCES, *_HEADERS)]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()])
+        b"\0".join([*texts, " ".join(_CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
     build_dir = _build_dir(key)
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # is_python_module=False: the .so only registers ops with the dispatcher (no pybind11).
     cpp_extension.load(
-        name=f"tandem_cpu_attn_{key}",
-        sources=[str(_SOURCE)],
+        name=f"tandem_cpu_{key}",
+        sources=[str(_CSRC / f) for f in _SOURCES],
         extra_cflags=_CFLAGS,
         extra_ldflags=_LDFLAGS,
         build_directory=str(build_dir),
@@ -80,7 +84,8 @@ def _load() -> None:
         verbose=False,
     )
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
-    log.info("CPU attention kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
+    torch.ops.tandem_cpu.rope_qk  # noqa: B018
+    log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
 
 
 def available() -> bool:
@@ -95,7 +100,7 @@ def available() -> bool:
                     reason = f"{type(e).__name__}: {e}".strip().splitlines()
                     _state.update(ok=False, reason=reason[-1] if reason else type(e).__name__)
                     log.warning(
-                        "CPU attention kernels unavailable, using torch fallback: %s", _state["reason"]
+                        "CPU kernels unavailable, using the torch fallback: %s", _state["reason"]
                     )
     return bool(_state["ok"])
 
@@ -143,3 +148,48 @@ def paged_decode_attention(
         out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, float(scale), num_splits
     )
     return out
+
+
+# ---- decoder-layer ops (csrc/layer_ops_cpu.cpp); callers check supports_layer_ops() once ----
+
+
+def supports_layer_ops(hidden: int, intermediate: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the fused norm / SiLU*mul / RoPE ops handle this model (assumes available())."""
+    return dtype in SUPPORTED_DTYPES and hidden % 16 == 0 and intermediate % 16 == 0 and head_dim % 32 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) over the last dim of a 2-D x, into a new tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    torch.ops.tandem_cpu.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = weight * rmsnorm(residual)."""
+    torch.ops.tandem_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+    torch.ops.tandem_cpu.silu_and_mul(out, gate_up)
+    return out
+
+
+_EMPTY = torch.empty(0)
+
+
+def rope_qk(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+    num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+) -> None:
+    """In place on the q and k heads of qkv (tokens, (hq + 2 hkv) * dim): optional
+    per-head RMSNorm (Qwen3), then neox RoPE from (max_positions, dim) tables in fp32 or qkv's dtype."""
+    torch.ops.tandem_cpu.rope_qk(
+        qkv, positions, cos, sin,
+        _EMPTY if q_norm_weight is None else q_norm_weight,
+        _EMPTY if k_norm_weight is None else k_norm_weight,
+        num_q_heads, num_kv_heads, head_dim, eps,
+    )

@@ -1,0 +1,222 @@
+// Fused elementwise ops of a decoder layer for CPU (loaded by engine/cpu_kernels.py).
+//
+// Each op is one pass over its rows where the torch path is 3-8 ops, each a full pass
+// over memory plus a dispatch (~5-20 us apiece at decode sizes). They round to the
+// activation dtype exactly where the torch/HF chain of ops does, so bf16 results match
+// the torch path bit for bit except where an fp32 reduction order differs:
+//
+//   rms_norm(out, x, w):              out = T(w * T(x * rsqrt(mean(x^2) + eps)))
+//   fused_add_rms_norm(x, res, w):    res = T(res + x);  x = rms_norm(res)        (in place)
+//   silu_and_mul(out, gu):            out = T(T(silu(g)) * u),  gu = [g | u] per row
+//   rope_qk(qkv, pos, cos, sin, ...): per q and k head of each token, in place:
+//                                     [qk-norm:] h = rms_norm(h, w_q or w_k)
+//                                     h = T(T(h * c) + T(rotate_half(h) * s)),  c = T(cos[pos])
+//
+// T() is rounding to the activation dtype (identity in fp32). Rows need a contiguous
+// last dim; dims must be multiples of 16 (head_dim of 32) -- cpu_kernels.py checks.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "vec16.h"
+
+namespace {
+
+using namespace tandem_vec;
+
+// rows per task: about 16k elements, so a decode-sized call stays on one thread
+inline int64_t grain(int64_t dim) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)); }
+
+template <typename T>
+inline float inv_rms(const T* x, int dim, float eps) {
+  V16 ss = vzero();
+  for (int i = 0; i < dim; i += 16) {
+    const V16 v = vload(x + i);
+    ss = vfma(v, v, ss);
+  }
+  return 1.f / std::sqrt(vsum(ss) / static_cast<float>(dim) + eps);
+}
+
+// out = T(w * T(x * r)); out may alias x
+template <typename T>
+inline void norm_row(T* out, const T* x, const T* w, int dim, float eps) {
+  const V16 r = vset1(inv_rms(x, dim, eps));
+  for (int i = 0; i < dim; i += 16) vstore(out + i, vmul(vload(w + i), vround<T>(vmul(vload(x + i), r))));
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, float eps) {
+  const int64_t rows = x.size(0), dim = x.size(1), xs = x.stride(0), os = out.stride(0);
+  T* o = out.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(o + r * os, xp + r * xs, wp, static_cast<int>(dim), eps);
+  });
+}
+
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, float eps) {
+  const int64_t rows = x.size(0), dim = x.size(1), xs = x.stride(0), rs = res.stride(0);
+  T* xp = x.data_ptr<T>();
+  T* rp = res.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      for (int i = 0; i < dim; i += 16) vstore(rr + i, vadd(vload(rr + i), vload(xr + i)));
+      norm_row(xr, rr, wp, static_cast<int>(dim), eps);
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& gu) {
+  const int64_t rows = out.size(0), dim = out.size(1), gs = gu.stride(0), os = out.stride(0);
+  T* o = out.data_ptr<T>();
+  const T* g = gu.data_ptr<T>();
+  const V16 one = vset1(1.f);
+  at::parallel_for(0, rows, grain(2 * dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* gr = g + r * gs;
+      T* orow = o + r * os;
+      for (int64_t i = 0; i < dim; i += 16) {
+        const V16 x = vload(gr + i);
+        const V16 silu = vround<T>(vdiv(x, vadd(one, vexp(vsub(vzero(), x)))));
+        vstore(orow + i, vmul(silu, vload(gr + dim + i)));
+      }
+    }
+  });
+}
+
+// One head in place: optional qk-norm, then neox RoPE with this token's c, s (rounded to T).
+// The tables are fp32 or already T (a model cast to bf16 casts its buffers too).
+template <typename T, typename C>
+inline void rope_head(T* h, const C* cos, const C* sin, const T* norm_w, int dim, float eps) {
+  if (norm_w != nullptr) norm_row(h, h, norm_w, dim, eps);
+  const int half = dim / 2;
+  for (int i = 0; i < half; i += 16) {
+    const V16 x1 = vload(h + i), x2 = vload(h + half + i);
+    const V16 c1 = vround<T>(vload(cos + i)), s1 = vround<T>(vload(sin + i));
+    const V16 c2 = vround<T>(vload(cos + half + i)), s2 = vround<T>(vload(sin + half + i));
+    vstore(h + i, vsub(vround<T>(vmul(x1, c1)), vround<T>(vmul(x2, s1))));
+    vstore(h + half + i, vadd(vround<T>(vmul(x2, c2)), vround<T>(vmul(x1, s2))));
+  }
+}
+
+template <typename T, typename C>
+void rope_qk_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& q_w, const at::Tensor& k_w, int hq, int hkv,
+                  int dim, float eps) {
+  const int64_t tokens = qkv.size(0), ts = qkv.stride(0), tab = cos.stride(0);
+  T* base = qkv.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const C* cp = cos.data_ptr<C>();
+  const C* sp = sin.data_ptr<C>();
+  const T* qw = q_w.defined() && q_w.numel() ? q_w.data_ptr<T>() : nullptr;
+  const T* kw = k_w.defined() && k_w.numel() ? k_w.data_ptr<T>() : nullptr;
+  at::parallel_for(0, tokens, grain((hq + hkv) * dim), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      T* row = base + t * ts;  // q heads, then k heads; v is left alone
+      const C* c = cp + pos[t] * tab;
+      const C* s = sp + pos[t] * tab;
+      for (int h = 0; h < hq; ++h) rope_head(row + h * dim, c, s, qw, dim, eps);
+      for (int h = 0; h < hkv; ++h) rope_head(row + (hq + h) * dim, c, s, kw, dim, eps);
+    }
+  });
+}
+
+template <typename F>
+void by_dtype(const at::Tensor& t, const char* op, const F& f) {
+  if (t.scalar_type() == at::kFloat) return f(float{});
+  if (t.scalar_type() == at::kBFloat16) return f(c10::BFloat16{});
+  TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", t.scalar_type());
+}
+
+void check_rows(const at::Tensor& t, int64_t dim, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(1) == dim && t.stride(1) == 1, what,
+              " must be a CPU (rows, ", dim, ") tensor with a contiguous last dim");
+  TORCH_CHECK(dim % 16 == 0, what, ": the last dim must be a multiple of 16");
+}
+
+void check_weight(const at::Tensor& w, const at::Tensor& like, int64_t dim) {
+  TORCH_CHECK(w.is_contiguous() && w.numel() == dim && w.scalar_type() == like.scalar_type(),
+              "norm weight must be contiguous, of the activation dtype, with ", dim, " elements");
+}
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, x.size(1), "x");
+  check_rows(out, x.size(1), "out");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.scalar_type() == x.scalar_type(), "out must match x");
+  check_weight(w, x, x.size(1));
+  by_dtype(x, "rms_norm", [&](auto tag) { rms_norm_impl<decltype(tag)>(out, x, w, static_cast<float>(eps)); });
+}
+
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, double eps) {
+  check_rows(x, x.size(1), "x");
+  check_rows(res, x.size(1), "residual");
+  TORCH_CHECK(res.size(0) == x.size(0) && res.scalar_type() == x.scalar_type(), "residual must match x");
+  check_weight(w, x, x.size(1));
+  by_dtype(x, "fused_add_rms_norm",
+           [&](auto tag) { add_rms_norm_impl<decltype(tag)>(x, res, w, static_cast<float>(eps)); });
+}
+
+void silu_and_mul(const at::Tensor& out, const at::Tensor& gu) {
+  check_rows(out, out.size(1), "out");
+  check_rows(gu, 2 * out.size(1), "gate_up");
+  TORCH_CHECK(gu.size(0) == out.size(0) && gu.scalar_type() == out.scalar_type(), "gate_up must match out");
+  by_dtype(out, "silu_and_mul", [&](auto tag) { silu_and_mul_impl<decltype(tag)>(out, gu); });
+}
+
+void rope_qk(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+             const at::Tensor& q_norm_w, const at::Tensor& k_norm_w, int64_t hq, int64_t hkv, int64_t dim,
+             double eps) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= (hq + hkv) * dim,
+              "qkv must be a CPU (tokens, >= (hq + hkv) * dim) tensor with a contiguous last dim");
+  TORCH_CHECK(dim % 32 == 0, "rope_qk: head_dim must be a multiple of 32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == qkv.size(0),
+              "positions must be contiguous int64 (tokens,)");
+  TORCH_CHECK((cos.scalar_type() == at::kFloat || cos.scalar_type() == qkv.scalar_type()) && cos.dim() == 2 &&
+                  cos.size(1) == dim && cos.stride(1) == 1 && sin.sizes() == cos.sizes() &&
+                  sin.strides() == cos.strides() && sin.scalar_type() == cos.scalar_type(),
+              "cos/sin must be (max_positions, head_dim) tables in float32 or the qkv dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rope_qk: position ", pos[t], " outside the table");
+  for (const auto* w : {&q_norm_w, &k_norm_w})
+    if (w->defined() && w->numel()) check_weight(*w, qkv, dim);
+  by_dtype(qkv, "rope_qk", [&](auto tag) {
+    using T = decltype(tag);
+    const auto go = [&](auto ctag) {
+      rope_qk_impl<T, decltype(ctag)>(qkv, positions, cos, sin, q_norm_w, k_norm_w, static_cast<int>(hq),
+                                      static_cast<int>(hkv), static_cast<int>(dim), static_cast<float>(eps));
+    };
+    if (cos.scalar_type() == at::kFloat) return go(float{});
+    return go(T{});
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def(
+      "rope_qk(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor q_norm_weight, "
+      "Tensor k_norm_weight, int num_q_heads, int num_kv_heads, int head_dim, float eps) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_qk", &rope_qk);
+}
