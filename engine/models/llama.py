@@ -20,13 +20,14 @@ the residual in the same pass, which the fused CPU op does in place.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import cpu_kernels
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.config import ModelConfig
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.models.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, bucketed
+from tandem.engine.models.layers import GatedMLP, RMSNorm, RopeBatch, RotaryEmbedding, bucketed, row_bucket
 
 
 class Attention(nn.Module):
@@ -57,7 +58,10 @@ class Attention(nn.Module):
                 qkv, rope.positions, rope.cos, rope.sin, qn, kn,
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             )
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        # Rows past the batch's tokens are CPU row-bucket padding (see LlamaForCausalLM.forward):
+        # they go through the matmuls but never reach attention or the KV pool.
+        n = batch.num_tokens
+        q, k, v = qkv[:n].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -65,7 +69,10 @@ class Attention(nn.Module):
             if cfg.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(rope, q, k)
-        return self.o_proj(backend.forward(q, k, v, self.layer_id, batch))
+        o = backend.forward(q, k, v, self.layer_id, batch)
+        if qkv.shape[0] != n:
+            o = F.pad(o, (0, 0, 0, qkv.shape[0] - n))
+        return self.o_proj(o)
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +133,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
-        x = self.embed_tokens(batch.input_ids)
-        rope = self.rope.for_batch(batch.positions, x.dtype, self.use_kernels)
+        ids, positions = batch.input_ids, batch.positions
+        if ids.device.type == "cpu":
+            # Pad the rows once to the oneDNN bucket (row_bucket) so that no matmul of the
+            # forward needs its own padded copy; attention and the KV pool see the real rows.
+            pad = row_bucket(ids.shape[0]) - ids.shape[0]
+            if pad:
+                ids, positions = F.pad(ids, (0, pad)), F.pad(positions, (0, pad))
+        x = self.embed_tokens(ids)
+        rope = self.rope.for_batch(positions, x.dtype, self.use_kernels)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, backend, batch)
