@@ -7,12 +7,14 @@ with 256 cached tokens per request. HF runs eager (its default SDPA attention,
 DynamicCache); ours runs the paged pool and the torch CPU backend. The two
 alternate round by round (--rounds, each the median of --repeat calls) so that
 the shared machine's slow phases hit both; the ratio is HF / ours, the median
-of the per-round ratios.
+of the per-round ratios. `--baseline unfused` compares against ours with the
+fused CPU layer ops switched off instead of HF.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -30,14 +32,16 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def _ours(path: str, dtype: str, batch: int, ctx: int):
-    """The case's timed step on our runner: prefill of batch x ctx (batch 8), else one decode step."""
+def _ours(path: str, dtype: str, batch: int, ctx: int, fused: bool = True):
+    """The case's timed step on our runner: prefill of batch x ctx (batch 8), else one decode step.
+    fused=False switches the fused CPU layer ops (norm, SiLU*mul, RoPE) off: the torch chain."""
     from tandem.engine.config import RunnerConfig
     from tandem.engine.model_runner import ModelRunner
     from tandem.engine.static_generate import StaticBatch
 
     runner = ModelRunner(path, RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
                                             max_running_requests=batch))
+    runner.model.enable_cpu_kernels(fused)
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, runner.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]
@@ -73,18 +77,18 @@ def _hf(path: str, dtype: str, batch: int, ctx: int):
 
 
 @torch.inference_mode()
-def _case(path: str, dtype: str, batch: int, ctx: int, rounds: int, repeat: int) -> dict:
-    """Rounds alternate ours and HF, so a slow phase of the shared machine hits both;
-    the ratio is the median of the per-round ratios."""
-    ours, hf = _ours(path, dtype, batch, ctx), _hf(path, dtype, batch, ctx)
+def _case(path: str, dtype: str, batch: int, ctx: int, rounds: int, repeat: int, baseline) -> dict:
+    """Rounds alternate ours and the baseline, so a slow phase of the shared machine hits
+    both; the ratio is the median of the per-round ratios."""
+    ours, hf = _ours(path, dtype, batch, ctx), baseline(path, dtype, batch, ctx)
     ours(), hf()  # warm-up: kernel builds, oneDNN JIT, allocator
     o_ms, h_ms = [], []
     for _ in range(rounds):
         o_ms.append(_median_ms(ours, repeat))
         h_ms.append(_median_ms(hf, repeat))
     name = f"prefill {batch}x{ctx}" if batch == 8 else f"decode bs={batch} ctx={ctx}"
-    return {"case": name, "ours_ms": statistics.median(o_ms), "hf_ms": statistics.median(h_ms),
-            "hf_over_ours": statistics.median(h / o for h, o in zip(h_ms, o_ms)),
+    return {"case": name, "ours_ms": statistics.median(o_ms), "base_ms": statistics.median(h_ms),
+            "base_over_ours": statistics.median(h / o for h, o in zip(h_ms, o_ms)),
             "round_ratios": [round(h / o, 3) for h, o in zip(h_ms, o_ms)]}
 
 
@@ -96,6 +100,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="timed calls per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--baseline", choices=["hf", "unfused"], default="hf",
+                    help="hf: transformers' eager forward; unfused: ours without the fused layer ops")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,10 +110,11 @@ def main() -> None:
     path = str(resolve_model(args.model))
     rows = []
     for batch in (8, 1, 16, 64):
-        rows.append(_case(path, args.dtype, batch, args.ctx, args.rounds, args.repeat))
+        baseline = _hf if args.baseline == "hf" else functools.partial(_ours, fused=False)
+        rows.append(_case(path, args.dtype, batch, args.ctx, args.rounds, args.repeat, baseline))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "rows": rows,
-              "torch": torch.__version__}
+    result = {"baseline": args.baseline, "model": args.model, "dtype": args.dtype, "threads": args.threads,
+              "rows": rows, "torch": torch.__version__}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -91,9 +91,12 @@ def test_prefix_shared_between_requests(model_path, arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_logits_match_hf_for_64_steps(model_path, arch: str) -> None:
+@pytest.mark.parametrize("layer_kernels", [True, False], ids=["fused-ops", "torch-ops"])
+def test_decode_logits_match_hf_for_64_steps(model_path, arch: str, layer_kernels: bool) -> None:
     path = model_path(arch)
     runner = _runner(path)
+    # Both layer paths; 3 requests also exercise the CPU row padding (3 rows -> 8).
+    runner.model.enable_cpu_kernels(layer_kernels)
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [9, 31, 16], seed=1)
     seqs = sb.new(len(prompts))

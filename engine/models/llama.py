@@ -116,12 +116,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def enable_cpu_kernels(self) -> bool:
+    def enable_cpu_kernels(self, enable: bool = True) -> bool:
         """Route norms, SiLU*mul and qk-norm+RoPE through the fused CPU ops when they
         are built and handle this model; returns whether they are on."""
         cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
         on = (
-            self.embed_tokens.weight.device.type == "cpu"
+            enable
+            and self.embed_tokens.weight.device.type == "cpu"
             and cpu_kernels.available()
             and cpu_kernels.supports_layer_ops(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, dtype)
         )
