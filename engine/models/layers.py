@@ -95,10 +95,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(rb: RopeBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (tokens, heads, dim), k: (tokens, kv_heads, dim); the tables may cover more rows
-        # (CPU row-bucket padding), which must not broadcast into q and k
-        n = q.shape[0]
-        cos, sin = rb.cos[:n], rb.sin[:n]
+        # q: (tokens, heads, dim), k: (tokens, kv_heads, dim)
+        cos, sin = rb.cos, rb.sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -52,15 +52,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         qkv = self.qkv_proj(x)
+        # Rows past the batch's tokens are CPU row-bucket padding (see LlamaForCausalLM.forward):
+        # they go through the matmuls but never reach RoPE, attention or the KV pool.
+        n = batch.num_tokens
         if self.use_kernel:
             qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
             cpu_kernels.rope_qk(
-                qkv, rope.positions, rope.cos, rope.sin, qn, kn,
+                qkv[:n], rope.positions, rope.cos, rope.sin, qn, kn,
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
             )
-        # Rows past the batch's tokens are CPU row-bucket padding (see LlamaForCausalLM.forward):
-        # they go through the matmuls but never reach attention or the KV pool.
-        n = batch.num_tokens
         q, k, v = qkv[:n].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -134,15 +134,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
-        ids, positions = batch.input_ids, batch.positions
+        ids = batch.input_ids
         if ids.device.type == "cpu":
             # Pad the rows once to the oneDNN bucket (row_bucket) so that no matmul of the
-            # forward needs its own padded copy; attention and the KV pool see the real rows.
-            pad = row_bucket(ids.shape[0]) - ids.shape[0]
-            if pad:
-                ids, positions = F.pad(ids, (0, pad)), F.pad(positions, (0, pad))
+            # forward needs its own padded copy; RoPE, attention and the KV pool see the real rows.
+            ids = F.pad(ids, (0, row_bucket(ids.shape[0]) - ids.shape[0]))
         x = self.embed_tokens(ids)
-        rope = self.rope.for_batch(positions, x.dtype, self.use_kernels)
+        rope = self.rope.for_batch(batch.positions, x.dtype, self.use_kernels)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, backend, batch)
