@@ -132,12 +132,17 @@ class CacheManager:
     def unlock(self, node: object) -> None:
         self.tree.dec_lock_ref(node)
 
+    def reclaim_rows(self) -> None:
+        """Every batch launched before the last frees has completed (see ReqToTokenPool)."""
+        self.req_to_token_pool.reclaim()
+
     def free_group(self) -> _FreeGroup:
         return _FreeGroup(self.allocator)
 
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """With no request running: every page in use belongs to the prefix cache."""
+        self.req_to_token_pool.reclaim()
         self.tree.check_integrity()
         self.allocator.check_integrity(in_use_pages=self.tree.cached_pages())
         self.req_to_token_pool.check_integrity(in_use=0)

@@ -75,7 +75,9 @@ class ModelRunner:
             pack_linears(self.model)
         if self.device.type == "cpu":
             self.model.enable_cpu_kernels()
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, self.max_context_len, self.device)
+        # Twice the running cap: rows of requests that finished in one step are held
+        # (not reusable) until the next result, while a full batch is admitted.
+        self.req_to_token_pool = ReqToTokenPool(2 * config.max_running_requests, self.max_context_len, self.device)
         self.kv_pool = TokenToKVPool(
             self._num_pages(), self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
             self.dtype, self.device,

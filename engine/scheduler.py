@@ -193,6 +193,7 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         result.materialize()
+        self.cache.reclaim_rows()
         self.metrics.on_result(batch, result)
         if batch.mode == ForwardMode.DECODE:
             self.output.process_decode(batch, result)
@@ -254,11 +255,14 @@ class Scheduler:
                 batch is not None and batch.mode.is_extend()
                 and self.last_batch is not None and self.last_batch.mode.is_extend()
             )
+            # Snapshot the batch before processing N-1: that may finish (abort) one of its
+            # requests, and the batch must still run as scheduled.
+            mwb = batch.get_model_worker_batch() if batch is not None else None
             if consecutive_prefill and in_flight:
                 pop_and_process()
-            if batch is not None:
+            if batch is not None and mwb is not None:
                 self.record_step(batch)
-                fut, future_ids = self.overlap.launch(batch.get_model_worker_batch())
+                fut, future_ids = self.overlap.launch(mwb)
                 batch.output_ids = future_ids  # the next decode step feeds these in
                 in_flight.append((batch.snapshot(), fut))
             if in_flight and (len(in_flight) > 1 or batch is None):

@@ -81,6 +81,7 @@ class StaticBatch:
             start = owned_from[i] if owned_from else 0
             alloc.free(torch.tensor(s.slots[start:], dtype=torch.int64))
             self.runner.req_to_token_pool.free(s.row)
+        self.runner.req_to_token_pool.reclaim()  # synchronous: nothing still reads the rows
         alloc.free_group_end()
 
     def generate(

@@ -111,3 +111,16 @@ def test_vectorised_decode_matches_extend_by_one(page_size: int) -> None:
     got = a.alloc_decode(torch.tensor(seqs) + 1, last)
     want = b.alloc_extend(seqs, [1] * len(seqs), last.tolist())
     assert got.tolist() == want.tolist()
+
+
+def test_freed_request_rows_are_held_until_reclaimed() -> None:
+    pool = ReqToTokenPool(2, 8, "cpu")
+    rows = pool.alloc(2)
+    assert rows is not None
+    pool.free(rows[0])
+    assert pool.alloc(1) is None  # held: a launched batch may still read the row
+    with pytest.raises(ValueError):
+        pool.free(rows[0])
+    pool.check_integrity(in_use=1)
+    pool.reclaim()
+    assert pool.alloc(1) == [rows[0]]

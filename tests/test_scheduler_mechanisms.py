@@ -208,6 +208,41 @@ def test_bad_requests_get_clear_errors(model_path) -> None:
         assert all(r.ok for r in eng.flush_cache())
 
 
+def test_abort_lands_between_scheduling_a_chunk_and_processing_the_previous(model_path) -> None:
+    """Overlap, consecutive prefill: chunk N+1 is scheduled, then chunk N's result is
+    processed before N+1 launches. An abort applied there finishes the request while
+    N+1 is already built; N+1 must still run on the row it was scheduled with."""
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
+                 chunked_prefill_size=16)
+    sched = eng._backend.scheduler
+    plain = sched.get_next_batch_to_run
+    chunks: list[int] = []
+
+    def abort_after_third_chunk():  # runs on the scheduler thread, so the timing is exact
+        batch = plain()
+        if batch is not None and batch.mode.is_extend() and any(r.rid == rid for r in batch.reqs):
+            chunks.append(len(chunks))
+            if len(chunks) == 3:
+                sched.abort(rid)
+        return batch
+
+    sched.get_next_batch_to_run = abort_after_third_chunk
+    try:
+        rid, q, _ = eng._submit(list(range(10, 300)), {"max_new_tokens": 4, "temperature": 0})
+        last = eng._get(q, timeout=60)
+        while not last.finished:
+            last = eng._get(q, timeout=60)
+        assert last.finish_reason["kind"] == "abort"
+        eng._close(rid)
+        assert len(chunks) == 3
+        sched.get_next_batch_to_run = plain
+        assert len(eng.generate([1, 2, 3], {"max_new_tokens": 3, "ignore_eos": True})[0]["token_ids"]) == 3
+        assert eng._backend.error is None
+        assert all(r.ok for r in eng.flush_cache())
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_priority_preempts_lower_priority_running_requests(model_path, overlap: bool) -> None:
     eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
