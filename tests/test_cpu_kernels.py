@@ -60,6 +60,18 @@ def test_decode_matches_dense(dtype, dim, heads, kv_heads, batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(64, 8, 128), (32, 4, 256)], ids=["h64d128", "h32d256"])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_many_heads_split_into_kv_head_chunks(dtype, heads, kv_heads, dim, num_splits):
+    """More query heads than one item's accumulators hold: items cover kv-head chunks."""
+    torch.manual_seed(heads + dim + num_splits)
+    q, kb, vb, r2t, rows, seq_lens = _case(3, heads, kv_heads, dim, dtype, [5, 300, 77])
+    out = cpu_kernels.paged_decode_attention(q, kb, vb, r2t, rows, seq_lens, 0.1, num_splits=num_splits)
+    ref = _dense(q, kb, vb, r2t, rows, seq_lens, 0.1)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
 def test_split_sequences_merge_exactly(dtype, num_splits):
     """Cutting sequences into splits (then merging) gives the unsplit answer."""

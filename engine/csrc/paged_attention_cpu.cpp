@@ -1,20 +1,20 @@
 // Fused paged decode attention for CPU: reads K/V straight from the paged pool
 // through req_to_token, with no gather copy (loaded by engine/attention/cpu_kernels.py).
 //
-// One work item is (b, h_kv, split s):
+// One work item is (b, a chunk of kv heads, split s); per kv head h of the chunk:
 //
 //   row = req_pool_indices[b]; it covers tokens [t0, t1) of request b, t1 <= seq_lens[b]
 //   for each block of kBlock tokens:
 //     slot    = req_to_token[row, t]                          page size is irrelevant here
-//     S[g][t] = scale * q[b, h_kv*G + g] . K[slot, h_kv]      G = Hq / Hkv query heads
+//     S[g][t] = scale * q[b, h*G + g] . K[slot, h]            G = Hq / Hkv query heads
 //     online softmax per g: running max m[g], running sum l[g], rescale acc[g]
-//     acc[g] += exp(S[g][t] - m[g]) * V[slot, h_kv]
+//     acc[g] += exp(S[g][t] - m[g]) * V[slot, h]
 //
-// Every K and V row of (b, h_kv) is read from the pool exactly once and serves
-// all G query heads of its group: per block it is staged into an L1 scratch
-// (see VPass for why), and the next block is prefetched into L2 meanwhile.
-// Accumulation is fp32. With AVX512-BF16, bf16 q.K and p.V use vdpbf16ps
-// (p rounded to bf16 for the p.V product, as torch's CPU flash attention does).
+// Every K and V row is read from the pool exactly once and serves all G query heads of
+// its group: per block and head it is staged into an L1 scratch (see VPass for why).
+// The chunk's rows of one slot are contiguous, so the next block is prefetched into L2
+// as whole rows meanwhile. Accumulation is fp32. With AVX512-BF16, bf16 q.K and p.V
+// use vdpbf16ps (p rounded to bf16 for the p.V product, as torch's CPU flash attention does).
 //
 // Splits: when B * Hkv items are too few to keep every thread busy, each
 // sequence is cut into `num_splits` token ranges of `split_len`; each range
@@ -49,6 +49,7 @@ using namespace tandem_vec;
 
 constexpr int kBlock = 32;     // tokens scored before one softmax + V pass (scores stay in L1)
 constexpr int kMaxGroup = 16;  // query heads per kv head
+constexpr int kMaxAccFloats = 4096;  // an item's fp32 accumulators (16 KB): bounds its query heads
 constexpr int kHintNext = 2;   // prefetch the next block into L2 (L1 is too small and too conflicted)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -88,6 +89,7 @@ struct Problem {
   int64_t kv_ss;        // k/v slot stride; each slot's (kv_heads, dim) is contiguous
   int64_t r2t_stride;   // req_to_token row stride
   int batch, hkv, group;
+  int heads_per_item;         // kv heads one work item covers (a divisor of hkv)
   int num_splits, split_len;  // split s covers tokens [s*split_len, (s+1)*split_len)
   float scale;
   float* partial;  // (batch, hkv, num_splits, group, dim + 2): acc, m, l; null when 1 split
@@ -234,94 +236,103 @@ struct VPass<c10::BFloat16, NV> {
 };
 #endif
 
-// One (b, h, split) work item; NV = dim / 16.
+// One (b, kv-head chunk, split) work item; NV = dim / 16. The chunk is kv heads
+// [h0, h0 + heads_per_item): a slot's K (or V) row for those heads is contiguous
+// (heads_per_item * dim elements), so the item streams whole rows from memory instead
+// of one head's 128 bytes out of every row, and each head's pass then reads L1/L2.
 template <typename scalar_t, int NV>
-void decode_item(const Problem& P, int b, int h, int s) {
+void decode_item(const Problem& P, int b, int h0, int s) {
   constexpr int D = NV * 16;
-  const int G = P.group;
+  constexpr int kMaxHeads = kMaxAccFloats / D;  // query heads one item can carry
+  const int G = P.group, HC = P.heads_per_item, QH = HC * G;
   const int t0 = s * P.split_len;
   const int t1 = std::min<int>(P.seq_lens[b], t0 + P.split_len);
   const int32_t* slots = P.req_to_token + P.req_pool_indices[b] * P.r2t_stride;
-  const scalar_t* kbase = static_cast<const scalar_t*>(P.k) + static_cast<int64_t>(h) * D;
-  const scalar_t* vbase = static_cast<const scalar_t*>(P.v) + static_cast<int64_t>(h) * D;
+  const scalar_t* kbase = static_cast<const scalar_t*>(P.k) + static_cast<int64_t>(h0) * D;
+  const scalar_t* vbase = static_cast<const scalar_t*>(P.v) + static_cast<int64_t>(h0) * D;
 
-  alignas(64) float acc[kMaxGroup][D];     // (group, dim) unnormalised output
-  alignas(64) float S[kMaxGroup][kBlock];  // (group, block) scores, then probabilities
-  QRow<scalar_t, NV> qrow[kMaxGroup];
-  float m[kMaxGroup], l[kMaxGroup];
-  alignas(64) scalar_t kblk[kBlock][D];  // the block's K rows, contiguous
+  alignas(64) float acc[kMaxHeads][D];     // (query head of the chunk, dim) unnormalised output
+  alignas(64) float S[kBlock];             // one head's block of scores, then probabilities
+  QRow<scalar_t, NV> qrow[kMaxHeads];
+  float m[kMaxHeads], l[kMaxHeads];
+  alignas(64) scalar_t kblk[kBlock][D];    // one head's block of K rows, contiguous
   const scalar_t* krows[kBlock];
   const scalar_t* vrows[kBlock];
   for (int j = 0; j < kBlock; ++j) krows[j] = kblk[j];
   VPass<scalar_t, NV> vpass;
-  for (int g = 0; g < G; ++g) {
-    qrow[g].load(static_cast<const scalar_t*>(P.q) + b * P.q_sb + (h * G + g) * P.q_sh);
-    for (int i = 0; i < NV; ++i) vstore(acc[g] + 16 * i, vzero());
-    m[g] = kNegInf;
-    l[g] = 0.f;
+  for (int q = 0; q < QH; ++q) {
+    qrow[q].load(static_cast<const scalar_t*>(P.q) + b * P.q_sb + (h0 * G + q) * P.q_sh);
+    for (int i = 0; i < NV; ++i) vstore(acc[q] + 16 * i, vzero());
+    m[q] = kNegInf;
+    l[q] = 0.f;
   }
   // Prefetch one block ahead: the rows are scattered, so the hardware prefetcher can't.
   for (int t = t0; t < std::min(t1, t0 + kBlock); ++t) {
-    prefetch_row(kbase + slots[t] * P.kv_ss, D);
-    prefetch_row(vbase + slots[t] * P.kv_ss, D);
+    prefetch_row(kbase + slots[t] * P.kv_ss, HC * D);
+    prefetch_row(vbase + slots[t] * P.kv_ss, HC * D);
   }
   const V16 scale = vset1(P.scale);
 
   for (int blk = t0; blk < t1; blk += kBlock) {
     const int n = std::min(kBlock, t1 - blk);
-    // The next block's rows are prefetched a share per head during the compute below:
-    // issued all at once they fill the line-fill buffers and stall the core.
+    // The next block's rows are prefetched a share per query head during the compute
+    // below: issued all at once they fill the line-fill buffers and stall the core.
     const int next_n = std::max(0, std::min(kBlock, t1 - blk - kBlock));
     int prefetched = 0;
-    for (int j = 0; j < n; ++j) {
-      const scalar_t* kp = kbase + slots[blk + j] * P.kv_ss;
-      for (int i = 0; i < D; i += 64 / sizeof(scalar_t))
-        vstore_raw(&kblk[j][i], kp + i);  // contiguous copy, see VPass
-      vrows[j] = vbase + slots[blk + j] * P.kv_ss;
-    }
-    vpass.fill(vrows, n);
-    for (int g = 0; g < G; ++g) {
-      for (const int upto = next_n * (g + 1) / G; prefetched < upto; ++prefetched) {
-        const int64_t slot = slots[blk + kBlock + prefetched];
-        prefetch_row(kbase + slot * P.kv_ss, D, kHintNext);
-        prefetch_row(vbase + slot * P.kv_ss, D, kHintNext);
+    for (int hh = 0; hh < HC; ++hh) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t off = slots[blk + j] * P.kv_ss + hh * D;
+        for (int i = 0; i < D; i += 64 / sizeof(scalar_t)) vstore_raw(&kblk[j][i], kbase + off + i);  // see VPass
+        vrows[j] = vbase + off;
       }
-      // 1) scores, 16 tokens at a time; lanes >= n are garbage and masked below
-      for (int j = 0; j < n; j += 16) vstore(S[g] + j, vmul(qrow[g].dot16(krows + j, n - j), scale));
-      // 2) online softmax: raise the running max, S <- exp(S - m), rescale l and acc
-      V16 mx = vset1(kNegInf);
-      for (int j = 0; j < n; j += 16) mx = vmax(mx, vload_n(S[g] + j, std::min(16, n - j), kNegInf));
-      const float m_new = std::max(m[g], vhmax(mx));
-      const float alpha = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first block
-      const V16 mv = vset1(m_new);
-      V16 sum = vzero();
-      for (int j = 0; j < n; j += 16) {
-        const int c = std::min(16, n - j);
-        V16 p = vkeep_n(vexp(vsub(vload_n(S[g] + j, c, 0.f), mv)), c);
-        vstore_n(S[g] + j, c, p);
-        sum = vadd(sum, p);
+      vpass.fill(vrows, n);
+      for (int g = 0; g < G; ++g) {
+        const int q = hh * G + g;
+        for (const int upto = next_n * (q + 1) / QH; prefetched < upto; ++prefetched) {
+          const int64_t slot = slots[blk + kBlock + prefetched];
+          prefetch_row(kbase + slot * P.kv_ss, HC * D, kHintNext);
+          prefetch_row(vbase + slot * P.kv_ss, HC * D, kHintNext);
+        }
+        // 1) scores, 16 tokens at a time; lanes >= n are garbage and masked below
+        for (int j = 0; j < n; j += 16) vstore(S + j, vmul(qrow[q].dot16(krows + j, n - j), scale));
+        // 2) online softmax: raise the running max, S <- exp(S - m), rescale l and acc
+        V16 mx = vset1(kNegInf);
+        for (int j = 0; j < n; j += 16) mx = vmax(mx, vload_n(S + j, std::min(16, n - j), kNegInf));
+        const float m_new = std::max(m[q], vhmax(mx));
+        const float alpha = std::exp(m[q] - m_new);  // exp(-inf) = 0 on the first block
+        const V16 mv = vset1(m_new);
+        V16 sum = vzero();
+        for (int j = 0; j < n; j += 16) {
+          const int c = std::min(16, n - j);
+          V16 p = vkeep_n(vexp(vsub(vload_n(S + j, c, 0.f), mv)), c);
+          vstore_n(S + j, c, p);
+          sum = vadd(sum, p);
+        }
+        l[q] = l[q] * alpha + vsum(sum);
+        m[q] = m_new;
+        // 3) acc = alpha * acc + sum_j p_j V_j
+        vpass.accumulate(acc[q], S, n, alpha);
       }
-      l[g] = l[g] * alpha + vsum(sum);
-      m[g] = m_new;
-      // 3) acc = alpha * acc + sum_j p_j V_j
-      vpass.accumulate(acc[g], S[g], n, alpha);
     }
   }
-  for (int g = 0; g < G; ++g) VPass<scalar_t, NV>::finish(acc[g]);
+  for (int q = 0; q < QH; ++q) VPass<scalar_t, NV>::finish(acc[q]);
 
   if (P.partial == nullptr) {
-    for (int g = 0; g < G; ++g) {
-      scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_sb + (h * G + g) * P.o_sh;
-      store_row(op, acc[g], D, l[g] > 0.f ? 1.f / l[g] : 0.f);  // l == 0 only for an empty sequence
+    for (int q = 0; q < QH; ++q) {
+      scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_sb + (h0 * G + q) * P.o_sh;
+      store_row(op, acc[q], D, l[q] > 0.f ? 1.f / l[q] : 0.f);  // l == 0 only for an empty sequence
     }
     return;
   }
-  float* part = P.partial + ((static_cast<int64_t>(b) * P.hkv + h) * P.num_splits + s) * G * (D + 2);
-  for (int g = 0; g < G; ++g) {
-    float* pg = part + g * (D + 2);
-    for (int i = 0; i < D; ++i) pg[i] = acc[g][i];
-    pg[D] = m[g];  // -inf for an empty split (t0 >= seq_len)
-    pg[D + 1] = l[g];
+  for (int hh = 0; hh < HC; ++hh) {
+    float* part = P.partial + ((static_cast<int64_t>(b) * P.hkv + h0 + hh) * P.num_splits + s) * G * (D + 2);
+    for (int g = 0; g < G; ++g) {
+      const int q = hh * G + g;
+      float* pg = part + g * (D + 2);
+      for (int i = 0; i < D; ++i) pg[i] = acc[q][i];
+      pg[D] = m[q];  // -inf for an empty split (t0 >= seq_len)
+      pg[D + 1] = l[q];
+    }
   }
 }
 
@@ -367,11 +378,12 @@ void run_dynamic(int64_t n, const F& f) {
 
 template <typename scalar_t, int NV>
 void run(const Problem& P) {
-  const int64_t items = static_cast<int64_t>(P.batch) * P.hkv * P.num_splits;
+  const int chunks = P.hkv / P.heads_per_item;
+  const int64_t items = static_cast<int64_t>(P.batch) * chunks * P.num_splits;
   run_dynamic(items, [&](int64_t i) {
     const int s = static_cast<int>(i % P.num_splits);
-    const int64_t bh = i / P.num_splits;
-    decode_item<scalar_t, NV>(P, static_cast<int>(bh / P.hkv), static_cast<int>(bh % P.hkv), s);
+    const int64_t bc = i / P.num_splits;
+    decode_item<scalar_t, NV>(P, static_cast<int>(bc / chunks), static_cast<int>(bc % chunks) * P.heads_per_item, s);
   });
   if (P.partial != nullptr) {
     run_dynamic(static_cast<int64_t>(P.batch) * P.hkv, [&](int64_t bh) {
@@ -435,6 +447,15 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
   P.hkv = Hkv;
   P.group = Hq / Hkv;
   P.scale = static_cast<float>(scale);
+  // As many kv heads per item as the accumulators hold (the largest divisor of Hkv);
+  // G <= kMaxGroup and D <= 256 guarantee at least one.
+  P.heads_per_item = 1;
+  for (int hc = Hkv; hc >= 1; --hc) {
+    if (Hkv % hc == 0 && hc * P.group * D <= kMaxAccFloats) {
+      P.heads_per_item = hc;
+      break;
+    }
+  }
 
   int max_len = 0;
   for (int b = 0; b < B; ++b) {
@@ -448,7 +469,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
   // Never split below kBlock tokens.
   int splits = static_cast<int>(num_splits);
   if (splits <= 0) {
-    const int items = B * Hkv, want = 4 * at::get_num_threads();
+    const int items = B * (Hkv / P.heads_per_item), want = 4 * at::get_num_threads();
     splits = items >= want ? 1 : std::min((want + items - 1) / items, std::max(1, max_len / 256));
   }
   splits = std::max(1, std::min(splits, (max_len + kBlock - 1) / kBlock));
