@@ -16,6 +16,7 @@ import torch
 
 from tandem.engine.config import RunnerConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.models.layers import can_pack_linears
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.static_generate import StaticBatch
 
@@ -135,6 +136,8 @@ def test_bf16_close_to_hf_bf16(model_path, arch: str) -> None:
     """bf16 tolerance: logits within 5% of the logit range, top-1 agreement on >= 90% of positions."""
     path = model_path(arch)
     runner = _runner(path, dtype="bfloat16")
+    if can_pack_linears(runner.device, runner.dtype):  # the oneDNN-packed path, LM head included
+        assert runner.model.packed_head is not None
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)
     seqs = sb.new(len(prompts))

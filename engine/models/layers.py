@@ -151,10 +151,17 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 64) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = linear.weight.shape
         w = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
         self.bias = linear.bias
+
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> PackedLinear:
+        """A packed copy of a bare (out, in) weight, e.g. a tied embedding used as LM head."""
+        lin = nn.Linear(0, 0, bias=False)
+        lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        return cls(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bucketed(self._mm, x)
@@ -169,9 +176,10 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear."""
-    # The LM head stays a plain weight: the model reads it directly (it may be tied).
+    # The LM head is the model's to pack (pack_lm_head): it may be tied to the embedding.
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(mod))
-    return len(targets)
+    pack_head = getattr(model, "pack_lm_head", None)
+    return len(targets) + (1 if pack_head is not None and pack_head() else 0)
