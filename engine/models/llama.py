@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_lm_head(self) -> bool:
         """CPU bf16: the LM head through a oneDNN-packed weight (2x the plain matmul at
         decode batch 64). Tied, that is a copy beside the embedding; untied, it replaces it."""
-        self.packed_head = PackedLinear.of_weight(self.lm_head.weight)
+        self.packed_head = PackedLinear(self.lm_head.weight)
         if self.lm_head is not self.embed_tokens:
             self.lm_head = self.packed_head
         return True
