@@ -96,6 +96,47 @@ def _ours_entry(model: str, workload: str, threads: int, config: dict) -> dict:
     return run_ours(path, _workload(workload, vocab), threads, **config)
 
 
+def compare_in_process(args: argparse.Namespace, workload: str, a: tuple[str, dict], b: tuple[str, dict]) -> dict:
+    """Both engines live in this process and take turns on the same workload, run by
+    run: each pair is a second or two apart, so the machine's slow phases (which last
+    seconds to minutes here) hit both sides of a ratio alike. The idle engine's
+    scheduler thread only polls its queue."""
+    import torch
+    from transformers import AutoConfig
+
+    from tandem import Engine
+    from tandem.engine.model_builder import resolve_model
+
+    torch.set_num_threads(args.threads)
+    path = str(resolve_model(args.model))
+    requests = _workload(workload, AutoConfig.from_pretrained(path).vocab_size)
+    engines = {name: Engine(path, **cfg) for name, cfg in (a, b)}
+    try:
+        for eng in engines.values():
+            eng.generate([[11, 12, 13]] * 2, {"max_new_tokens": 4, "ignore_eos": True})
+        rows = []
+        for i in range(args.rounds):
+            ra, rb = (_timed_generate(engines[name], requests) for name in (a[0], b[0]))
+            rows.append({a[0]: ra, b[0]: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]})
+            print(f"round {i}: {a[0]} {ra['output_tok_per_s']:.0f} tok/s, {b[0]} {rb['output_tok_per_s']:.0f} tok/s, "
+                  f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+    finally:
+        for eng in engines.values():
+            eng.shutdown()
+    return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
+            "protocol": "in-process, alternating run by run"}
+
+
+def _timed_generate(eng, requests: list[Request]) -> dict:
+    sps = [{"max_new_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True} for r in requests]
+    t = time.perf_counter()
+    outs = eng.generate([r.prompt_token_ids for r in requests], sps)
+    secs = time.perf_counter() - t
+    metrics = eng.flush_cache()[0].info.get("metrics", {})  # also empties the prefix cache for the next run
+    out_tok = sum(o["meta"]["completion_tokens"] for o in outs)
+    return {"seconds": secs, "output_tokens": out_tok, "output_tok_per_s": out_tok / secs, "metrics": metrics}
+
+
 def compare(args: argparse.Namespace, a: tuple[str, callable], b: tuple[str, callable]) -> dict:
     rows = []
     for i in range(args.rounds):
@@ -122,8 +163,8 @@ def main() -> None:
         path = str(resolve_model(args.model))
         res = compare(args, ("tandem", ours("throughput")), ("vllm", lambda: run_vllm(path, args.dtype, 64)))
     elif args.what == "overlap":
-        normal = ours("throughput", disable_overlap_schedule=True)
-        res = compare(args, ("overlap", ours("throughput")), ("normal", normal))
+        res = compare_in_process(args, "throughput", ("overlap", base),
+                                 ("normal", {**base, "disable_overlap_schedule": True}))
     elif args.what == "radix":
         res = {"radix_vs_none": compare(args, ("radix", ours("shared", schedule_policy="lpm")),
                                         ("no_radix", ours("shared", disable_radix_cache=True))),
