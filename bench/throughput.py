@@ -163,7 +163,7 @@ def main() -> None:
         path = str(resolve_model(args.model))
         res = compare(args, ("tandem", ours("throughput")), ("vllm", lambda: run_vllm(path, args.dtype, 64)))
     elif args.what == "overlap":
-        res = compare_in_process(args, "throughput", ("overlap", base),
+        res = compare_in_process(args, "throughput", ("overlap", {**base, "disable_overlap_schedule": False}),
                                  ("normal", {**base, "disable_overlap_schedule": True}))
     elif args.what == "radix":
         res = {"radix_vs_none": compare(args, ("radix", ours("shared", schedule_policy="lpm")),

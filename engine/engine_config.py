@@ -28,7 +28,9 @@ class EngineConfig:
     mem_fraction_static: float = 0.5
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
-    disable_overlap_schedule: bool = False
+    # None: overlap on CUDA, normal loop on CPU, where overlap measured ~8% slower
+    # (the forward thread waits on the GIL; docs/benchmarks.md, goal b).
+    disable_overlap_schedule: bool | None = None
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     enable_priority_scheduling: bool = False
@@ -67,7 +69,11 @@ class EngineConfig:
 
     @property
     def enable_overlap(self) -> bool:
-        return not self.disable_overlap_schedule
+        if self.disable_overlap_schedule is not None:
+            return not self.disable_overlap_schedule
+        import torch  # here, so that reading a config needs no torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(
