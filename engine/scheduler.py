@@ -111,6 +111,7 @@ class Scheduler:
         req = self.prefill.abort_waiting(rid)
         if req is not None:
             self.output.stream([req])
+            self.reqs.pop(rid, None)
             return
         req = self.reqs.get(rid)
         if req is not None and not req.finished():
@@ -126,13 +127,14 @@ class Scheduler:
             free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
             return AdminResult(request_id, free == cap, {"free_tokens": free, "capacity_tokens": cap,
                                                          "metrics": self.metrics.snapshot()})
-        except AssertionError as exc:
-            return AdminResult(request_id, False, {"error": f"integrity check failed: {exc}"})
+        except (AssertionError, RuntimeError) as exc:  # an admin call must never kill the scheduler
+            return AdminResult(request_id, False, {"error": f"flush failed: {exc}"})
 
     # ---- batch construction ----------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         for r in self.prefill.expire_waiting(self.config.waiting_timeout):
             self.output.stream([r])
+            self.reqs.pop(r.rid, None)
         self.decode.expire_running(self.config.running_timeout)
         last = self.last_batch
         if last is not None and last.mode.is_extend():
@@ -216,8 +218,11 @@ class Scheduler:
 
     # ---- loops ----------------------------------------------------------------------------------------
     def idle(self) -> bool:
-        """No work left: nothing waiting and every running request finished (maybe unfiltered)."""
-        return not self.prefill.runnable() and all(r.finished() for r in self.decode.reqs)
+        """No work left: every request received has finished. `self.reqs` is the one
+        place that sees them all: waiting, chunked, running, and those of a prefill
+        batch just processed but not yet merged into the running set (a flush landing
+        there once found their prefix locks and died)."""
+        return all(r.finished() for r in self.reqs.values())
 
     def event_loop_normal(self) -> None:
         while self.running:

@@ -93,3 +93,29 @@ def test_closing_a_stream_early_aborts_the_request(model_path) -> None:
                 break
             time.sleep(0.05)
         assert all(r.ok for r in replies), replies
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_flush_right_after_a_prefill_is_busy_not_fatal(model_path, overlap: bool) -> None:
+    """Between processing a prefill batch and merging its requests into the running
+    set, the requests are in neither queue; a flush landing there must say busy."""
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048,
+                 disable_overlap_schedule=not overlap)
+    sched = eng._backend.scheduler
+    plain = sched.process_batch_result
+    replies = []
+
+    def flush_after_prefill(batch, result):  # on the scheduler thread: exact timing
+        plain(batch, result)
+        if batch.mode.is_extend() and not replies:
+            replies.append(sched.flush_cache("probe"))
+
+    sched.process_batch_result = flush_after_prefill
+    try:
+        out = eng.generate([1, 2, 3], {"max_new_tokens": 5, "ignore_eos": True})[0]
+        assert len(out["token_ids"]) == 5
+        assert replies and not replies[0].ok and "busy" in replies[0].info["error"]
+        assert eng._backend.error is None
+        assert all(r.ok for r in eng.flush_cache())
+    finally:
+        eng.shutdown()
