@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp")
+_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
 _HEADERS = ("vec16.h", "decode_blocks.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
@@ -85,6 +85,7 @@ def _load() -> None:
     )
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
+    torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
     log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
 
 
@@ -192,4 +193,15 @@ def rope_qk(
         _EMPTY if q_norm_weight is None else q_norm_weight,
         _EMPTY if k_norm_weight is None else k_norm_weight,
         num_q_heads, num_kv_heads, head_dim, eps,
+    )
+
+
+def gumbel_argmax(
+    scores: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """argmax_v(scores * inv_temp + G(seed, position, v)) per row, with sampler.py's
+    hashed Gumbel noise computed in the same pass (csrc/sampling_cpu.cpp)."""
+    return torch.ops.tandem_cpu.gumbel_argmax(
+        scores.float().contiguous(), inv_temp.float().contiguous().view(-1),
+        seeds.contiguous(), positions.to(torch.int64).contiguous(),
     )

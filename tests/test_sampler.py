@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.sampler import SamplingBatch, sample
+from tandem.engine import cpu_kernels
+from tandem.engine.sampler import SamplingBatch, _gumbel, _uniform, sample
 from tandem.engine.sampling_params import SamplingParams
 
 V = 50
@@ -49,6 +50,17 @@ def test_batch_mixes_greedy_and_sampled_rows() -> None:
     assert int(out.next_token_ids[0]) == int(lg[0].argmax())
 
 
+@pytest.fixture(params=["cpu-kernel", "torch"])
+def sampling_path(request, monkeypatch):
+    """Run a test through the fused CPU Gumbel-max kernel and through the torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    return request.param
+
+
+@pytest.mark.usefixtures("sampling_path")
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7),
     SamplingParams(top_k=5),
@@ -96,3 +108,26 @@ def test_invalid_params_are_rejected(bad: dict) -> None:
 def test_make_accepts_user_values() -> None:
     p = SamplingParams.make(stop="###", stop_token_ids=[3, 4], max_new_tokens=5)
     assert p.stop == ("###",) and p.stop_token_ids == (3, 4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("batch,vocab", [(64, 8192), (7, 1000), (3, 17), (2, 151936)])
+def test_cpu_kernel_draws_the_torch_path_tokens(batch: int, vocab: int) -> None:
+    """Same hash, same noise up to the rounding of two logs: the same argmax."""
+    g = torch.Generator().manual_seed(batch + vocab)
+    logits = torch.randn(batch, vocab, generator=g) * 3
+    logits[0, ::3] = float("-inf")  # filtered tokens never win
+    seeds = torch.randint(0, 2**40, (batch,), generator=g)
+    positions = torch.randint(0, 5000, (batch,), generator=g)
+    temps = torch.rand(batch, 1, generator=g) + 0.3
+    ref = (torch.log_softmax(logits / temps, -1) + _gumbel(seeds, positions, vocab)).argmax(-1)
+    got = cpu_kernels.gumbel_argmax(logits, 1.0 / temps, seeds, positions)
+    assert torch.equal(got, ref)
+    assert got[0] % 3 != 0
+
+
+def test_uniform_stays_below_one() -> None:
+    u = _uniform(torch.tensor([0, 0xFFFFFFFF, 0xFFFFFE00], dtype=torch.int64))
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
