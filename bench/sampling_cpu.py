@@ -3,8 +3,8 @@
     python bench/sampling_cpu.py [--batch 64] [--vocabs 8192 151936] [--rounds 9]
 
 Both paths draw the same tokens (tests/test_sampler.py); rounds alternate them and
-the figure is the median of the per-round ratios. Temperature 0.8, no top-k/p
-filters (the filters' sort is shared by both paths).
+the figure is the median of the per-round ratios. Temperature 0.8; no filter, then
+top-p 0.95, then top-k 50 (the torch path sorts the vocab, the kernel bisects).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ def _ms(fn, n: int = 5) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
-def _case(batch: int, vocab: int, rounds: int) -> dict:
+def _case(batch: int, vocab: int, rounds: int, filters: dict) -> dict:
     logits = torch.randn(batch, vocab) * 3
-    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=i) for i in range(batch)], vocab, "cpu")
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=i, **filters) for i in range(batch)],
+                                   vocab, "cpu")
     pos = torch.arange(batch)
     real_available = cpu_kernels.available
 
@@ -50,7 +51,8 @@ def _case(batch: int, vocab: int, rounds: int) -> dict:
     for _ in range(rounds):
         k_ms.append(_ms(kernel))
         t_ms.append(_ms(torch_ops))
-    return {"batch": batch, "vocab": vocab, "kernel_ms": statistics.median(k_ms), "torch_ms": statistics.median(t_ms),
+    return {"batch": batch, "vocab": vocab, "filters": filters,
+            "kernel_ms": statistics.median(k_ms), "torch_ms": statistics.median(t_ms),
             "torch_over_kernel": statistics.median(t / k for t, k in zip(t_ms, k_ms))}
 
 
@@ -66,8 +68,9 @@ def main() -> None:
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
     rows = []
     for vocab in args.vocabs:
-        rows.append(_case(args.batch, vocab, args.rounds))
-        print(json.dumps(rows[-1]), flush=True)
+        for filters in ({}, {"top_p": 0.95}, {"top_k": 50}):
+            rows.append(_case(args.batch, vocab, args.rounds, filters))
+            print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "threads": args.threads}, indent=2))
 
 

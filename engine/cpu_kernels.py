@@ -86,6 +86,7 @@ def _load() -> None:
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
     torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
+    torch.ops.tandem_cpu.filtered_gumbel_argmax  # noqa: B018
     log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
 
 
@@ -205,3 +206,22 @@ def gumbel_argmax(
         scores.float().contiguous(), inv_temp.float().contiguous().view(-1),
         seeds.contiguous(), positions.to(torch.int64).contiguous(),
     )
+
+
+def filtered_gumbel_argmax(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """gumbel_argmax over the tokens that survive top-k / top-p / min-p of the tempered
+    distribution, found by bisecting thresholds instead of sorting the vocab."""
+    f32 = lambda t: t.float().contiguous().view(-1)  # noqa: E731
+    i64 = lambda t: t.to(torch.int64).contiguous().view(-1)  # noqa: E731
+    return torch.ops.tandem_cpu.filtered_gumbel_argmax(
+        logits.float().contiguous(), f32(inv_temp), i64(top_k), f32(top_p), f32(min_p), i64(seeds), i64(positions)
+    )
+

@@ -116,13 +116,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
     if sb.all_greedy:
         ids = logits.argmax(dim=-1)
     elif logits.device.type == "cpu" and cpu_kernels.available():
-        # One pass over the vocab instead of ~12 tensors. Unfiltered, log_softmax only
-        # shifts each row, so the draw can use logits / temperature directly.
+        # One pass over the vocab instead of ~12 tensors (and no sort for the filters).
+        # log_softmax only shifts each row, so the draw uses logits / temperature.
+        inv_t = 1.0 / sb.temperatures
         if sb.need_sort:
-            scores, inv_t = _filtered_logprobs(logits, sb), torch.ones(logits.shape[0])
+            ids = cpu_kernels.filtered_gumbel_argmax(
+                logits, inv_t, sb.top_ks, sb.top_ps, sb.min_ps, sb.seeds, positions)
         else:
-            scores, inv_t = logits, 1.0 / sb.temperatures
-        ids = cpu_kernels.gumbel_argmax(scores, inv_t, sb.seeds, positions)
+            ids = cpu_kernels.gumbel_argmax(logits, inv_t, sb.seeds, positions)
     else:
         logp = _filtered_logprobs(logits, sb)
         ids = (logp + _gumbel(sb.seeds, positions, logits.shape[-1])).argmax(dim=-1)

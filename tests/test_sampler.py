@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.engine import cpu_kernels
-from tandem.engine.sampler import SamplingBatch, _gumbel, _uniform, sample
+from tandem.engine.sampler import SamplingBatch, _filtered_logprobs, _gumbel, _uniform, sample
 from tandem.engine.sampling_params import SamplingParams
 
 V = 50
@@ -130,4 +130,21 @@ def test_uniform_stays_below_one() -> None:
     u = _uniform(torch.tensor([0, 0xFFFFFFFF, 0xFFFFFE00], dtype=torch.int64))
     assert float(u.min()) > 0.0 and float(u.max()) < 1.0
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("vocab", [1000, 8192, 151936])
+@pytest.mark.parametrize("filters", [
+    {"top_p": 0.95}, {"top_p": 0.3}, {"top_k": 50}, {"top_k": 2}, {"min_p": 0.05},
+    {"top_k": 20, "top_p": 0.8, "min_p": 0.01},
+], ids=["p0.95", "p0.3", "k50", "k2", "minp", "all"])
+def test_cpu_filter_bisection_keeps_the_sorted_sets(vocab: int, filters: dict) -> None:
+    """The kernel's bisected thresholds draw what the sorted torch path draws."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(16, vocab, generator=g) * 3
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=i, **filters) for i in range(16)],
+                                   vocab, "cpu")
+    positions = torch.arange(16)
+    ref = (_filtered_logprobs(logits, sb) + _gumbel(sb.seeds, positions, vocab)).argmax(-1)
+    assert torch.equal(sample(logits, sb, positions).next_token_ids, ref)
 

@@ -9,16 +9,32 @@
 // 15 ms tiny-model step at batch 64, vocab 8k). Here the hash is native uint32 and
 // the logs are vectorised, so the noise equals the torch noise to within float
 // rounding of the two logs (~1 ulp) and the argmax agrees except on exact ties.
-// -inf scores (tokens top-k/top-p/min-p dropped) never win. Ties keep the lowest index.
+// -inf scores never win. Ties keep the lowest index.
+//
+// filtered_gumbel_argmax adds top-k / top-p / min-p without sorting the vocab. With
+// p_v = exp(s_v - max s) (so the top token has p = 1) each filter keeps {v : p_v >= t}:
+//   min-p: t = min_p
+//   top-k: t = the smallest T with #{w : p_w > T} < k
+//   top-p: t = the smallest T with sum{p_w : p_w > T} <= top_p * sum p
+// and the smallest such T is found by bisecting over the bits of positive floats (which
+// order like the floats), one pass over the row per step. Token v survives all three
+// iff p_v >= max(t); the top token always does. These are the sorted path's sets
+// (sampler._filtered_logprobs) except where tied values straddle a cut.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+
+#include "vec16.h"
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -68,7 +84,9 @@ inline __m512i vmix(__m512i x) {
 }
 #endif
 
-int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key) {
+// p == nullptr: every token competes; else only those with p[v] >= thr.
+int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const float* p = nullptr,
+                   float thr = 0.f) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_i = -1;
   int64_t v = 0;
@@ -85,7 +103,11 @@ int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key) {
     const __m512 u = _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 9)), _mm512_set1_ps(0.5f)),
                                    _mm512_set1_ps(1.0f / 8388608.0f));
     const __m512 g = _mm512_sub_ps(_mm512_setzero_ps(), vlog(_mm512_sub_ps(_mm512_setzero_ps(), vlog(u))));
-    const __m512 val = _mm512_fmadd_ps(_mm512_loadu_ps(s + v), invt, g);
+    __m512 val = _mm512_fmadd_ps(_mm512_loadu_ps(s + v), invt, g);
+    if (p != nullptr) {
+      const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + v), _mm512_set1_ps(thr), _CMP_GE_OQ);
+      val = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), keep, val);
+    }
     const __mmask16 better = _mm512_cmp_ps_mask(val, bv, _CMP_GT_OQ);
     bv = _mm512_mask_mov_ps(bv, better, val);
     bi = _mm512_mask_mov_epi32(bi, better, idx);
@@ -98,10 +120,106 @@ int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key) {
     if (li[l] >= 0 && (lv[l] > best || (lv[l] == best && li[l] < best_i))) best = lv[l], best_i = li[l];
 #endif
   for (; v < V; ++v) {
+    if (p != nullptr && !(p[v] >= thr)) continue;
     const float val = s[v] * inv_t + gumbel_scalar(key, static_cast<uint32_t>(v));
     if (val > best) best = val, best_i = v;
   }
   return best_i < 0 ? 0 : best_i;  // an all -inf row cannot come from the filters (top-1 survives)
+}
+
+// p[v] = exp(s[v] * inv_t - max); returns sum p (the top token's p is exactly 1).
+double unnormalised_probs(const float* s, int64_t V, float inv_t, float* p) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < V; ++v) m = std::max(m, s[v] * inv_t);
+  double z = 0.0;
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  for (; v + 16 <= V; v += 16) {
+    const tandem_vec::V16 e = tandem_vec::vexp(
+        {_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + v), _mm512_set1_ps(inv_t)), _mm512_set1_ps(m))});
+    _mm512_storeu_ps(p + v, e.v);
+    z += _mm512_reduce_add_ps(e.v);
+  }
+#endif
+  for (; v < V; ++v) z += (p[v] = std::exp(s[v] * inv_t - m));
+  return z;
+}
+
+// (sum, count) of p[v] > t, the sum in double: it is compared with top_p * z.
+std::pair<double, int64_t> above(const float* p, int64_t V, float t) {
+  double sum = 0.0;
+  int64_t n = 0, v = 0;
+#if defined(__AVX512F__)
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (; v + 16 <= V; v += 16) {
+    const __m512 x = _mm512_loadu_ps(p + v);
+    const __mmask16 gt = _mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_GT_OQ);
+    const __m512 xm = _mm512_maskz_mov_ps(gt, x);
+    a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm512_castps512_ps256(xm)));
+    a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(xm), 1))));
+    n += __builtin_popcount(static_cast<unsigned>(gt));
+  }
+  sum = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+  for (; v < V; ++v)
+    if (p[v] > t) sum += p[v], ++n;
+  return {sum, n};
+}
+
+// The smallest float T in [0, 1] with ok(T), for ok false below some point and true above;
+// ok(1) holds for every filter (nothing exceeds the top token's p = 1).
+template <typename F>
+float smallest_ok(const F& ok) {
+  uint32_t lo = 0, hi = 0x3F800000u;  // the bits of 0.0f and 1.0f
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    float t;
+    std::memcpy(&t, &mid, sizeof t);
+    if (ok(t))
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  float t;
+  std::memcpy(&t, &lo, sizeof t);
+  return t;
+}
+
+at::Tensor filtered_gumbel_argmax(const at::Tensor& logits, const at::Tensor& inv_temp, const at::Tensor& top_k,
+                                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+                                  const at::Tensor& positions) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1, "logits must be CPU float32 (batch, vocab) with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V < (int64_t{1} << 31), "vocab too large");
+  for (const at::Tensor* t : {&inv_temp, &top_k, &top_p, &min_p, &seeds, &positions})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == B, "per-row inputs must be contiguous (batch,)");
+  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  min_p.scalar_type() == at::kFloat && top_k.scalar_type() == at::kLong &&
+                  seeds.scalar_type() == at::kLong && positions.scalar_type() == at::kLong,
+              "float32 inv_temp/top_p/min_p, int64 top_k/seeds/positions");
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float *s = logits.data_ptr<float>(), *it = inv_temp.data_ptr<float>();
+  const float *tp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
+  const int64_t *tk = top_k.data_ptr<int64_t>(), *sd = seeds.data_ptr<int64_t>(), *ps = positions.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t rs = logits.stride(0);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p(static_cast<size_t>(V));
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* row = s + b * rs;
+      const double z = unnormalised_probs(row, V, it[b], p.data());
+      float thr = std::max(mp[b], 0.f);
+      if (tk[b] < V) thr = std::max(thr, smallest_ok([&](float t) { return above(p.data(), V, t).second < tk[b]; }));
+      if (tp[b] < 1.f) {
+        const double mass = static_cast<double>(tp[b]) * z;
+        thr = std::max(thr, smallest_ok([&](float t) { return above(p.data(), V, t).first <= mass; }));
+      }
+      const uint32_t key = static_cast<uint32_t>(sd[b]) * 0x9E3779B1u + static_cast<uint32_t>(ps[b]) * 0x85EBCA77u;
+      o[b] = argmax_row(row, V, it[b], key, p.data(), thr);
+    }
+  });
+  return out;
 }
 
 at::Tensor gumbel_argmax(const at::Tensor& scores, const at::Tensor& inv_temp, const at::Tensor& seeds,
@@ -135,6 +253,12 @@ at::Tensor gumbel_argmax(const at::Tensor& scores, const at::Tensor& inv_temp, c
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("gumbel_argmax(Tensor scores, Tensor inv_temp, Tensor seeds, Tensor positions) -> Tensor");
+  m.def(
+      "filtered_gumbel_argmax(Tensor logits, Tensor inv_temp, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor seeds, Tensor positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("gumbel_argmax", &gumbel_argmax); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("gumbel_argmax", &gumbel_argmax);
+  m.impl("filtered_gumbel_argmax", &filtered_gumbel_argmax);
+}
