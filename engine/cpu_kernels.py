@@ -86,6 +86,7 @@ def _load() -> None:
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
     torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
+    torch.ops.tandem_cpu.greedy_argmax  # noqa: B018
     torch.ops.tandem_cpu.filtered_gumbel_argmax  # noqa: B018
     log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
 
@@ -224,4 +225,9 @@ def filtered_gumbel_argmax(
     return torch.ops.tandem_cpu.filtered_gumbel_argmax(
         logits.float().contiguous(), f32(inv_temp), i64(top_k), f32(top_p), f32(min_p), i64(seeds), i64(positions)
     )
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index of the maximum (what torch.argmax returns), ~5-10x faster."""
+    return torch.ops.tandem_cpu.greedy_argmax(logits.float().contiguous())
 

@@ -113,9 +113,11 @@ def _filtered_logprobs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
     """logits: (batch, vocab) fp32; positions: (batch,) output index of the token drawn."""
+    on_cpu_kernels = logits.device.type == "cpu" and cpu_kernels.available()
+    argmax = cpu_kernels.greedy_argmax if on_cpu_kernels else (lambda x: x.argmax(dim=-1))
     if sb.all_greedy:
-        ids = logits.argmax(dim=-1)
-    elif logits.device.type == "cpu" and cpu_kernels.available():
+        ids = argmax(logits)
+    elif on_cpu_kernels:
         # One pass over the vocab instead of ~12 tensors (and no sort for the filters).
         # log_softmax only shifts each row, so the draw uses logits / temperature.
         inv_t = 1.0 / sb.temperatures
@@ -128,7 +130,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
         logp = _filtered_logprobs(logits, sb)
         ids = (logp + _gumbel(sb.seeds, positions, logits.shape[-1])).argmax(dim=-1)
     if not sb.all_greedy and sb.any_greedy:
-        ids = torch.where(sb.greedy, logits.argmax(dim=-1), ids)
+        ids = torch.where(sb.greedy, argmax(logits), ids)
     out = SampleOutput(next_token_ids=ids)
     if sb.return_logprob or sb.top_logprobs_num:
         # Logprobs are reported from the model's own distribution, before

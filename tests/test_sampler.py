@@ -148,3 +148,16 @@ def test_cpu_filter_bisection_keeps_the_sorted_sets(vocab: int, filters: dict) -
     ref = (_filtered_logprobs(logits, sb) + _gumbel(sb.seeds, positions, vocab)).argmax(-1)
     assert torch.equal(sample(logits, sb, positions).next_token_ids, ref)
 
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("batch,vocab", [(64, 8192), (1, 151936), (3, 5), (4, 16), (4, 33)])
+def test_cpu_greedy_argmax_is_torch_argmax(batch: int, vocab: int) -> None:
+    """First index of the maximum, ties and all -inf rows included."""
+    x = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[0] = float("-inf")
+    if batch > 1:
+        x[1, vocab // 3] = x[1, vocab - 1] = 1e9
+    if batch > 2:
+        x[2] = 3.0
+    assert torch.equal(cpu_kernels.greedy_argmax(x), x.argmax(-1))
