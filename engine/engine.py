@@ -40,7 +40,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.model_path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self._routes: dict[str, queue.Queue] = {}
+        self._routes: dict[str, queue.SimpleQueue] = {}  # per request; SimpleQueue: put is C, no Condition
         self._lock = threading.Lock()
         self._ids = itertools.count()
         if self.config.dp_size > 1:
@@ -53,23 +53,24 @@ class Engine:
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _on_outputs(self, outs: list[Any]) -> None:
-        for o in outs:
-            key = o.rid if isinstance(o, ReqOutput) else o.request_id
-            with self._lock:
-                q = self._routes.get(key)
+        with self._lock:  # once per batch of outputs, not per request
+            routes = [(self._routes.get(o.rid if isinstance(o, ReqOutput) else o.request_id), o) for o in outs]
+        for q, o in routes:
             if q is not None:
                 q.put(o)
 
-    def _submit(self, prompt: Prompt, params: dict[str, Any], priority: int = 0) -> tuple[str, queue.Queue, list[int]]:
+    def _submit(
+        self, prompt: Prompt, params: dict[str, Any], priority: int = 0
+    ) -> tuple[str, queue.SimpleQueue, list[int]]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        q: queue.Queue = queue.Queue()
+        q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._routes[rid] = q
         self._backend.send(GenerateReqInput(rid, ids, dict(params), priority))
         return rid, q, ids
 
-    def _get(self, q: queue.Queue, timeout: float | None = None) -> Any:
+    def _get(self, q: queue.SimpleQueue, timeout: float | None = None) -> Any:
         """Next output for a request; raises if the scheduler died instead of hanging."""
         waited = 0.0
         while True:
@@ -158,7 +159,7 @@ class Engine:
     def flush_cache(self) -> list[AdminResult]:
         """Drop the prefix caches (when idle) and check every pool is whole again."""
         rid = f"flush-{uuid.uuid4().hex[:8]}"
-        q: queue.Queue = queue.Queue()
+        q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._routes[rid] = q
         self._backend.send(FlushCacheReq(rid))
@@ -183,7 +184,7 @@ class _InProcessScheduler:
         from tandem.engine.model_runner import ModelRunner
         from tandem.engine.scheduler import Scheduler
 
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         runner = ModelRunner(model_path, config.runner_config())
         self.scheduler = Scheduler(config, runner, self.inbox, emit, lambda: tokenizer)

@@ -52,7 +52,7 @@ class Scheduler:
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        inbox: queue.Queue,
+        inbox: queue.Queue | queue.SimpleQueue,
         emit: Callable[[list[ReqOutput]], None],
         tokenizer: Callable[[], Any],
         dp_rank: int = 0,
