@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
+_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp", "greedy_cpu.cpp")
 _HEADERS = ("vec16.h", "decode_blocks.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
