@@ -24,21 +24,20 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-
-#include "vec16.h"
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
-
-#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "vec16.h"
 
 namespace {
 
