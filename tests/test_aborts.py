@@ -69,10 +69,12 @@ def test_abort_lands_between_scheduling_a_chunk_and_processing_the_previous(mode
 
 
 def test_waiting_and_running_timeouts_abort(model_path) -> None:
-    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048, max_running_requests=1,
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=1,
                  waiting_timeout=0.2, running_timeout=1.0, disable_overlap_schedule=True)
     try:
-        sp = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        # 3000 tokens take several seconds even in a fast phase of the machine (~1.5-4 ms
+        # a token): the running timeout, not the length, must end the first request.
+        sp = {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": True}
         runs, waits = eng.generate([[1, 2, 3], [4, 5, 6]], sp)
         assert runs["finish_reason"] == "abort" and "running_timeout" in runs["meta"]["finish_message"]
         assert waits["finish_reason"] == "abort" and "waiting_timeout" in waits["meta"]["finish_message"]
