@@ -15,7 +15,8 @@ def test_abort_waiting_running_and_chunked(model_path, overlap: bool) -> None:
     eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
                  chunked_prefill_size=16, disable_overlap_schedule=not overlap)
     try:
-        sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        # Far more tokens than 0.3 s of decode reaches in any phase of the machine.
+        sp = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
         running = eng._submit([1, 2, 3, 4], sp)
         chunked = eng._submit(list(range(10, 300)), sp)  # 290 tokens in 16-token chunks
         waiting = eng._submit([5, 6, 7], sp)  # max_running_requests=2: it waits

@@ -190,7 +190,8 @@ def test_priority_preempts_lower_priority_running_requests(model_path, overlap: 
                  enable_priority_scheduling=True, priority_scheduling_preemption_threshold=1,
                  disable_overlap_schedule=not overlap)
     try:
-        long = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}
+        # 600 tokens outlast the 0.3 s sleep even at ~1 ms a step (150 did not, in a fast phase).
+        long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
         low = [eng._submit([1, 2, 3, i], long, priority=0) for i in range(2)]
         time.sleep(0.3)  # both low-priority requests are decoding
         high = eng._submit([4, 5, 6], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, priority=5)
@@ -205,7 +206,7 @@ def test_priority_preempts_lower_priority_running_requests(model_path, overlap: 
                 out = eng._get(q, timeout=120)
             lows.append(out)
             eng._close(rid)
-        assert all(o.completion_tokens == 150 for o in lows)
+        assert all(o.completion_tokens == 600 for o in lows)
         assert sum(o.retract_count for o in lows) >= 1, "no running request was preempted"
         assert all(r.ok for r in eng.flush_cache())
     finally:
