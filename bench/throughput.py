@@ -166,10 +166,11 @@ def main() -> None:
         res = compare_in_process(args, "throughput", ("overlap", {**base, "disable_overlap_schedule": False}),
                                  ("normal", {**base, "disable_overlap_schedule": True}))
     elif args.what == "radix":
-        res = {"radix_vs_none": compare(args, ("radix", ours("shared", schedule_policy="lpm")),
-                                        ("no_radix", ours("shared", disable_radix_cache=True))),
-               "lpm_vs_fcfs": compare(args, ("lpm", ours("shared", schedule_policy="lpm")),
-                                      ("fcfs", ours("shared", schedule_policy="fcfs")))}
+        lpm = {**base, "schedule_policy": "lpm"}
+        res = {"radix_vs_none": compare_in_process(args, "shared", ("radix", lpm),
+                                                   ("no_radix", {**base, "disable_radix_cache": True})),
+               "lpm_vs_fcfs": compare_in_process(args, "shared", ("lpm", lpm),
+                                                 ("fcfs", {**base, "schedule_policy": "fcfs"}))}
     else:
         res = {f"batch{n}": ours(f"batch{n}", max_running_requests=n)() for n in (64, 256)}
         for n, r in res.items():
