@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp", "greedy_cpu.cpp")
+_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
 _HEADERS = ("vec16.h", "decode_blocks.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
@@ -87,7 +87,6 @@ def _load() -> None:
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
     torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
     torch.ops.tandem_cpu.greedy_argmax  # noqa: B018
-    torch.ops.tandem_cpu.filtered_gumbel_argmax  # noqa: B018
     log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
 
 
@@ -199,31 +198,24 @@ def rope_qk(
 
 
 def gumbel_argmax(
-    scores: torch.Tensor, inv_temp: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """argmax_v(scores * inv_temp + G(seed, position, v)) per row, with sampler.py's
-    hashed Gumbel noise computed in the same pass (csrc/sampling_cpu.cpp)."""
-    return torch.ops.tandem_cpu.gumbel_argmax(
-        scores.float().contiguous(), inv_temp.float().contiguous().view(-1),
-        seeds.contiguous(), positions.to(torch.int64).contiguous(),
-    )
-
-
-def filtered_gumbel_argmax(
     logits: torch.Tensor,
     inv_temp: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """gumbel_argmax over the tokens that survive top-k / top-p / min-p of the tempered
-    distribution, found by bisecting thresholds instead of sorting the vocab."""
-    f32 = lambda t: t.float().contiguous().view(-1)  # noqa: E731
+    """argmax_v(logits * inv_temp + G(seed, position, v)) per row, with sampler.py's hashed
+    Gumbel noise computed in the same pass, over the tokens that survive top-k / top-p /
+    min-p of the tempered distribution (bisected thresholds, no vocab sort). A filter
+    left None is off for every row (csrc/sampling_cpu.cpp)."""
+    b, vocab = logits.shape
+    f32 = lambda t, off: torch.full((b,), off) if t is None else t.float().contiguous().view(-1)  # noqa: E731
     i64 = lambda t: t.to(torch.int64).contiguous().view(-1)  # noqa: E731
-    return torch.ops.tandem_cpu.filtered_gumbel_argmax(
-        logits.float().contiguous(), f32(inv_temp), i64(top_k), f32(top_p), f32(min_p), i64(seeds), i64(positions)
+    k = torch.full((b,), vocab, dtype=torch.int64) if top_k is None else i64(top_k)
+    return torch.ops.tandem_cpu.gumbel_argmax(
+        logits.float().contiguous(), f32(inv_temp, 1.0), k, f32(top_p, 1.0), f32(min_p, 0.0), i64(seeds), i64(positions)
     )
 
 

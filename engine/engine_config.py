@@ -71,9 +71,9 @@ class EngineConfig:
     def enable_overlap(self) -> bool:
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
-        import torch  # here, so that reading a config needs no torch
+        from tandem.engine.model_runner import resolve_device  # here: reading a config needs no torch
 
-        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return resolve_device(self.device).type == "cuda"
 
     def runner_config(self) -> RunnerConfig:
         return RunnerConfig(

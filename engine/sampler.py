@@ -120,12 +120,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
     elif on_cpu_kernels:
         # One pass over the vocab instead of ~12 tensors (and no sort for the filters).
         # log_softmax only shifts each row, so the draw uses logits / temperature.
-        inv_t = 1.0 / sb.temperatures
-        if sb.need_sort:
-            ids = cpu_kernels.filtered_gumbel_argmax(
-                logits, inv_t, sb.top_ks, sb.top_ps, sb.min_ps, sb.seeds, positions)
-        else:
-            ids = cpu_kernels.gumbel_argmax(logits, inv_t, sb.seeds, positions)
+        ids = cpu_kernels.gumbel_argmax(
+            logits, 1.0 / sb.temperatures, sb.seeds, positions, sb.top_ks, sb.top_ps, sb.min_ps)
     else:
         logp = _filtered_logprobs(logits, sb)
         ids = (logp + _gumbel(sb.seeds, positions, logits.shape[-1])).argmax(dim=-1)

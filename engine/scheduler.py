@@ -265,7 +265,7 @@ class Scheduler:
             mwb = batch.get_model_worker_batch() if batch is not None else None
             if consecutive_prefill and in_flight:
                 pop_and_process()
-            if batch is not None and mwb is not None:
+            if batch is not None:
                 self.record_step(batch)
                 fut, future_ids = self.overlap.launch(mwb)
                 batch.output_ids = future_ids  # the next decode step feeds these in

@@ -1,4 +1,5 @@
-// Seeded Gumbel-max sampling for CPU in one pass (loaded by engine/cpu_kernels.py):
+// Sampling for CPU in one pass over the vocab (loaded by engine/cpu_kernels.py): the
+// greedy argmax, and seeded Gumbel-max with optional top-k / top-p / min-p:
 //
 //   out[b] = argmax_v( scores[b, v] * inv_temp[b] + G(key_b, v) ),   G = -log(-log u)
 //   key_b  = seed_b * 0x9E3779B1 + position_b * 0x85EBCA77             (mod 2^32)
@@ -11,7 +12,7 @@
 // rounding of the two logs (~1 ulp) and the argmax agrees except on exact ties.
 // -inf scores never win. Ties keep the lowest index.
 //
-// filtered_gumbel_argmax adds top-k / top-p / min-p without sorting the vocab. With
+// Top-k / top-p / min-p come without sorting the vocab. With
 // p_v = exp(s_v - max s) (so the top token has p = 1) each filter keeps {v : p_v >= t}:
 //   min-p: t = min_p
 //   top-k: t = the smallest T with #{w : p_w > T} < k
@@ -83,6 +84,41 @@ inline __m512i vmix(__m512i x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Lane l holds the best value it saw and its first index (-1: none beat -inf). Fold the
+// 16 lanes into (best, best_i): the maximum, the lowest index on ties.
+inline void fold_lanes(__m512 bv, __m512i bi, float& best, int64_t& best_i) {
+  alignas(64) float lv[16];
+  alignas(64) int32_t li[16];
+  _mm512_store_ps(lv, bv);
+  _mm512_store_si512(li, bi);
+  for (int l = 0; l < 16; ++l)
+    if (li[l] >= 0 && (lv[l] > best || (lv[l] == best && li[l] < best_i))) best = lv[l], best_i = li[l];
+}
+#endif
+
+// Greedy: the first index of the row's maximum, as torch.argmax returns it (NaN never
+// wins). torch's CPU argmax streams at ~3 GB/s, a tenth of a tiny-model decode step.
+int64_t max_index(const float* s, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_i = -1, v = 0;
+#if defined(__AVX512F__)
+  __m512 bv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i bi = _mm512_set1_epi32(-1);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; v + 16 <= V; v += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+    const __m512 x = _mm512_loadu_ps(s + v);
+    const __mmask16 better = _mm512_cmp_ps_mask(x, bv, _CMP_GT_OQ);
+    bv = _mm512_mask_mov_ps(bv, better, x);
+    bi = _mm512_mask_mov_epi32(bi, better, idx);
+  }
+  fold_lanes(bv, bi, best, best_i);
+#endif
+  for (; v < V; ++v)
+    if (s[v] > best) best = s[v], best_i = v;
+  return best_i < 0 ? 0 : best_i;  // an all -inf row: index 0, as torch
+}
+
 // p == nullptr: every token competes; else only those with p[v] >= thr.
 int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const float* p = nullptr,
                    float thr = 0.f) {
@@ -111,12 +147,7 @@ int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const f
     bv = _mm512_mask_mov_ps(bv, better, val);
     bi = _mm512_mask_mov_epi32(bi, better, idx);
   }
-  alignas(64) float lv[16];
-  alignas(64) int32_t li[16];
-  _mm512_store_ps(lv, bv);
-  _mm512_store_si512(li, bi);
-  for (int l = 0; l < 16; ++l)
-    if (li[l] >= 0 && (lv[l] > best || (lv[l] == best && li[l] < best_i))) best = lv[l], best_i = li[l];
+  fold_lanes(bv, bi, best, best_i);
 #endif
   for (; v < V; ++v) {
     if (p != nullptr && !(p[v] >= thr)) continue;
@@ -184,13 +215,31 @@ float smallest_ok(const F& ok) {
   return t;
 }
 
-at::Tensor filtered_gumbel_argmax(const at::Tensor& logits, const at::Tensor& inv_temp, const at::Tensor& top_k,
-                                  const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
-                                  const at::Tensor& positions) {
+// Checks shared by the ops: CPU float32 (batch, vocab) logits with contiguous rows.
+void check_logits(const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1, "logits must be CPU float32 (batch, vocab) with contiguous rows");
-  const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V < (int64_t{1} << 31), "vocab too large");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "vocab size out of range");
+}
+
+at::Tensor greedy_argmax(const at::Tensor& logits) {
+  check_logits(logits);
+  const int64_t B = logits.size(0), V = logits.size(1), rs = logits.stride(0);
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* s = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) o[b] = max_index(s + b * rs, V);
+  });
+  return out;
+}
+
+// Rows without a filter (top_k >= vocab, top_p >= 1, min_p <= 0) skip the probability pass.
+at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& inv_temp, const at::Tensor& top_k,
+                         const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+                         const at::Tensor& positions) {
+  check_logits(logits);
+  const int64_t B = logits.size(0), V = logits.size(1), rs = logits.stride(0);
   for (const at::Tensor* t : {&inv_temp, &top_k, &top_p, &min_p, &seeds, &positions})
     TORCH_CHECK(t->is_contiguous() && t->numel() == B, "per-row inputs must be contiguous (batch,)");
   TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
@@ -202,11 +251,17 @@ at::Tensor filtered_gumbel_argmax(const at::Tensor& logits, const at::Tensor& in
   const float *tp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>();
   const int64_t *tk = top_k.data_ptr<int64_t>(), *sd = seeds.data_ptr<int64_t>(), *ps = positions.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t rs = logits.stride(0);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(static_cast<size_t>(V));
+    std::vector<float> p;  // a row's unnormalised probabilities, for filtered rows
     for (int64_t b = b0; b < b1; ++b) {
       const float* row = s + b * rs;
+      // Low 32 bits of the int64 products: the masked int64 math of the torch version.
+      const uint32_t key = static_cast<uint32_t>(sd[b]) * 0x9E3779B1u + static_cast<uint32_t>(ps[b]) * 0x85EBCA77u;
+      if (tk[b] >= V && tp[b] >= 1.f && mp[b] <= 0.f) {
+        o[b] = argmax_row(row, V, it[b], key);
+        continue;
+      }
+      p.resize(static_cast<size_t>(V));
       const double z = unnormalised_probs(row, V, it[b], p.data());
       float thr = std::max(mp[b], 0.f);
       if (tk[b] < V) thr = std::max(thr, smallest_ok([&](float t) { return above(p.data(), V, t).second < tk[b]; }));
@@ -214,35 +269,7 @@ at::Tensor filtered_gumbel_argmax(const at::Tensor& logits, const at::Tensor& in
         const double mass = static_cast<double>(tp[b]) * z;
         thr = std::max(thr, smallest_ok([&](float t) { return above(p.data(), V, t).first <= mass; }));
       }
-      const uint32_t key = static_cast<uint32_t>(sd[b]) * 0x9E3779B1u + static_cast<uint32_t>(ps[b]) * 0x85EBCA77u;
       o[b] = argmax_row(row, V, it[b], key, p.data(), thr);
-    }
-  });
-  return out;
-}
-
-at::Tensor gumbel_argmax(const at::Tensor& scores, const at::Tensor& inv_temp, const at::Tensor& seeds,
-                         const at::Tensor& positions) {
-  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
-                  scores.stride(1) == 1, "scores must be CPU float32 (batch, vocab) with contiguous rows");
-  const int64_t B = scores.size(0), V = scores.size(1);
-  TORCH_CHECK(V < (int64_t{1} << 31), "vocab too large");
-  for (const at::Tensor* t : {&inv_temp, &seeds, &positions})
-    TORCH_CHECK(t->is_contiguous() && t->numel() == B, "per-row inputs must be contiguous (batch,)");
-  TORCH_CHECK(inv_temp.scalar_type() == at::kFloat && seeds.scalar_type() == at::kLong &&
-                  positions.scalar_type() == at::kLong, "inv_temp float32, seeds and positions int64");
-  at::Tensor out = at::empty({B}, scores.options().dtype(at::kLong));
-  const float* s = scores.data_ptr<float>();
-  const float* it = inv_temp.data_ptr<float>();
-  const int64_t* sd = seeds.data_ptr<int64_t>();
-  const int64_t* ps = positions.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
-  const int64_t rs = scores.stride(0);
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      // Low 32 bits of the int64 products: the masked int64 math of the torch version.
-      const uint32_t key = static_cast<uint32_t>(sd[b]) * 0x9E3779B1u + static_cast<uint32_t>(ps[b]) * 0x85EBCA77u;
-      o[b] = argmax_row(s + b * rs, V, it[b], key);
     }
   });
   return out;
@@ -251,13 +278,13 @@ at::Tensor gumbel_argmax(const at::Tensor& scores, const at::Tensor& inv_temp, c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("gumbel_argmax(Tensor scores, Tensor inv_temp, Tensor seeds, Tensor positions) -> Tensor");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.def(
-      "filtered_gumbel_argmax(Tensor logits, Tensor inv_temp, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "gumbel_argmax(Tensor logits, Tensor inv_temp, Tensor top_k, Tensor top_p, Tensor min_p, "
       "Tensor seeds, Tensor positions) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("greedy_argmax", &greedy_argmax);
   m.impl("gumbel_argmax", &gumbel_argmax);
-  m.impl("filtered_gumbel_argmax", &filtered_gumbel_argmax);
 }

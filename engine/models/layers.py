@@ -174,4 +174,6 @@ def pack_linears(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(mod.weight, mod.bias))
     pack_head = getattr(model, "pack_lm_head", None)
-    return len(targets) + (1 if pack_head is not None and pack_head() else 0)
+    if pack_head is not None:
+        pack_head()
+    return len(targets) + (pack_head is not None)

@@ -125,13 +125,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: PackedLinear | None = None
 
-    def pack_lm_head(self) -> bool:
+    def pack_lm_head(self) -> None:
         """CPU bf16: the LM head through a oneDNN-packed weight (2x the plain matmul at
         decode batch 64). Tied, that is a copy beside the embedding; untied, it replaces it."""
         self.packed_head = PackedLinear(self.lm_head.weight)
         if self.lm_head is not self.embed_tokens:
             self.lm_head = self.packed_head
-        return True
 
     def enable_cpu_kernels(self, enable: bool = True) -> bool:
         """Route norms, SiLU*mul and qk-norm+RoPE through the fused CPU ops when they
