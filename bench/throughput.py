@@ -40,17 +40,10 @@ def run_ours(model: str, requests: list[Request], threads: int, **config) -> dic
     from tandem import Engine
 
     with Engine(model, **config) as eng:
-        eng.generate([[11, 12, 13]] * 2, {"max_new_tokens": 4, "ignore_eos": True})
-        sps = [{"max_new_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True} for r in requests]
-        t = time.perf_counter()
-        outs = eng.generate([r.prompt_token_ids for r in requests], sps)
-        secs = time.perf_counter() - t
-        metrics = eng.flush_cache()[0].info.get("metrics", {})
-    out_tok = sum(o["meta"]["completion_tokens"] for o in outs)
-    assert out_tok == sum(r.max_new_tokens for r in requests), "ignore_eos runs must produce max_new_tokens"
-    cached = sum(o["meta"]["cached_tokens"] for o in outs)
-    return {"engine": "tandem", "seconds": secs, "output_tokens": out_tok, "output_tok_per_s": out_tok / secs,
-            "cached_tokens": cached, "metrics": metrics}
+        _warm_up(eng)
+        res = _timed_generate(eng, requests)
+    assert res["output_tokens"] == sum(r.max_new_tokens for r in requests), "ignore_eos must give max_new_tokens"
+    return {"engine": "tandem", **res}
 
 
 def run_vllm(model_dir: str, dtype: str, n: int) -> dict:
@@ -113,18 +106,20 @@ def compare_in_process(args: argparse.Namespace, workload: str, a: tuple[str, di
     engines = {name: Engine(path, **cfg) for name, cfg in (a, b)}
     try:
         for eng in engines.values():
-            eng.generate([[11, 12, 13]] * 2, {"max_new_tokens": 4, "ignore_eos": True})
+            _warm_up(eng)
         rows = []
         for i in range(args.rounds):
             ra, rb = (_timed_generate(engines[name], requests) for name in (a[0], b[0]))
-            rows.append({a[0]: ra, b[0]: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]})
-            print(f"round {i}: {a[0]} {ra['output_tok_per_s']:.0f} tok/s, {b[0]} {rb['output_tok_per_s']:.0f} tok/s, "
-                  f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+            rows.append(_round(i, a[0], b[0], ra, rb))
     finally:
         for eng in engines.values():
             eng.shutdown()
     return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
             "protocol": "in-process, alternating run by run"}
+
+
+def _warm_up(eng) -> None:
+    eng.generate([[11, 12, 13]] * 2, {"max_new_tokens": 4, "ignore_eos": True})
 
 
 def _timed_generate(eng, requests: list[Request]) -> dict:
@@ -134,16 +129,22 @@ def _timed_generate(eng, requests: list[Request]) -> dict:
     secs = time.perf_counter() - t
     metrics = eng.flush_cache()[0].info.get("metrics", {})  # also empties the prefix cache for the next run
     out_tok = sum(o["meta"]["completion_tokens"] for o in outs)
-    return {"seconds": secs, "output_tokens": out_tok, "output_tok_per_s": out_tok / secs, "metrics": metrics}
+    cached = sum(o["meta"]["cached_tokens"] for o in outs)
+    return {"seconds": secs, "output_tokens": out_tok, "output_tok_per_s": out_tok / secs,
+            "cached_tokens": cached, "metrics": metrics}
+
+
+def _round(i: int, a: str, b: str, ra: dict, rb: dict) -> dict:
+    row = {a: ra, b: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]}
+    print(f"round {i}: {a} {ra['output_tok_per_s']:.0f} tok/s, {b} {rb['output_tok_per_s']:.0f} tok/s, "
+          f"ratio {row['ratio']:.3f}", flush=True)
+    return row
 
 
 def compare(args: argparse.Namespace, a: tuple[str, callable], b: tuple[str, callable]) -> dict:
     rows = []
     for i in range(args.rounds):
-        ra, rb = a[1](), b[1]()
-        rows.append({a[0]: ra, b[0]: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]})
-        print(f"round {i}: {a[0]} {ra['output_tok_per_s']:.0f} tok/s, {b[0]} {rb['output_tok_per_s']:.0f} tok/s, "
-              f"ratio {rows[-1]['ratio']:.3f}", flush=True)
+        rows.append(_round(i, a[0], b[0], a[1](), b[1]()))
     return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
 
 
