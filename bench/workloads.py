@@ -57,6 +57,20 @@ def throughput_workload(
     return requests
 
 
+# Named shapes of throughput_workload, the same on both sides of a comparison:
+# "throughput" is the mixed workload; "prefill" and "decode" split it into
+# its two phases, to show which one a gap between engines comes from.
+SHAPES: dict[str, dict[str, tuple[int, int]]] = {
+    "throughput": {"prompt_len": (32, 256), "output_len": (64, 128)},
+    "prefill": {"prompt_len": (32, 256), "output_len": (1, 1)},
+    "decode": {"prompt_len": (16, 16), "output_len": (128, 128)},
+}
+
+
+def named_workload(name: str, n: int = 64, vocab_size: int = 8192, seed: int = 0) -> list[Request]:
+    return throughput_workload(n=n, vocab_size=vocab_size, seed=seed, **SHAPES[name])
+
+
 def shared_prefix_workload(
     num_prefixes: int = 8,
     prefix_len: int = 1024,

@@ -1,8 +1,10 @@
 """Optional fused CPU kernels, compiled from csrc/ on first use.
 
-    csrc/paged_attention_cpu.cpp  paged decode attention  \
-    csrc/layer_ops_cpu.cpp        norm, SiLU*mul, RoPE     --(cpp_extension.load, ninja)--> one .so
-    csrc/vec16.h                  their 16-lane vector layer /
+    csrc/paged_attention_cpu.cpp  paged decode attention   \
+    csrc/extend_attention_cpu.cpp paged extend attention    \
+    csrc/layer_ops_cpu.cpp        norm, SiLU*mul, RoPE       --(cpp_extension.load, ninja)--> one .so
+    csrc/sampling_cpu.cpp         seeded sampling, argmax   /
+    csrc/vec16.h                  their 16-lane vector layer
         registers torch.ops.tandem_cpu.*
 
 The build lives in $TANDEM_HOME/torch_extensions/<name>-<key>, where the key
@@ -31,8 +33,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
-_HEADERS = ("vec16.h", "decode_blocks.h")
+_SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
+_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 # head_dim values the kernel is instantiated for (see dispatch_dim in the source)
@@ -84,6 +86,7 @@ def _load() -> None:
         verbose=False,
     )
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
+    torch.ops.tandem_cpu.paged_extend_attention  # noqa: B018
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
     torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
     torch.ops.tandem_cpu.greedy_argmax  # noqa: B018
@@ -114,7 +117,7 @@ def unavailable_reason() -> str:
 
 
 def supports(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> bool:
-    """Whether paged_decode_attention handles this shape and dtype (assumes available())."""
+    """Whether the paged decode and extend attention handle this shape and dtype (assumes available())."""
     return (
         head_dim in SUPPORTED_HEAD_DIMS
         and dtype in SUPPORTED_DTYPES
@@ -148,6 +151,35 @@ def paged_decode_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.tandem_cpu.paged_decode_attention(
         out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, float(scale), num_splits
+    )
+    return out
+
+
+def paged_extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every extend request's new tokens over its paged KV, in one call.
+
+    q (tokens, heads, dim); k/v_buffer (slots, kv_heads, dim) in q's dtype, already
+    holding the new tokens' K/V; req_to_token (rows, max_ctx) int32; req_pool_indices
+    (batch,) int64; prefix_lens, extend_lens, q_starts (batch,) int32. Request b's queries
+    are q[q_starts[b] : q_starts[b] + extend_lens[b]]; its new token j sees the slots
+    req_to_token[row, : prefix_lens[b] + j + 1]. Returns (tokens, heads, dim) in q's dtype;
+    rows of q no request covers are left unwritten.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    torch.ops.tandem_cpu.paged_extend_attention(
+        out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, float(scale)
     )
     return out
 

@@ -19,7 +19,8 @@ from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
 HEADS, KV_HEADS, DIM = 8, 2, 32
 
 BACKENDS = [
-    pytest.param("torch", "cpu", id="torch-cpu"),
+    pytest.param("torch", "cpu", id="torch-cpu"),  # the fused paged kernels where they build
+    pytest.param("torch-sdpa", "cpu", id="torch-cpu-sdpa"),  # the same backend, kernels off
     pytest.param("flashinfer", "cuda", id="flashinfer-cuda", marks=pytest.mark.gpu),
 ]
 
@@ -63,7 +64,9 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str) -
     torch.manual_seed(0)
     mode, reqs = CASES[case]
     ctx = _ctx(device, page_size, dtype)
-    backend = create_backend(name, ctx)
+    backend = create_backend(name.removesuffix("-sdpa"), ctx)
+    if name.endswith("-sdpa"):
+        backend.use_kernels = False
     alloc = ctx.kv_pool.allocator
     rows = ctx.req_to_token_pool.alloc(len(reqs))
     full_k, full_v, new_locs = [], [], []

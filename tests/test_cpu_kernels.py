@@ -1,8 +1,9 @@
-"""The fused CPU paged decode kernel against dense attention.
+"""The fused CPU paged decode and extend kernels against dense attention.
 
 K/V rows sit at random slots of a pool (random req_to_token rows, i.e. pages
-scattered anywhere), the kernel reads them through req_to_token, and the result
-must match softmax(q k^T * scale) v over each request's first seq_len slots.
+scattered anywhere), the kernels read them through req_to_token, and the result
+must match softmax(q k^T * scale) v over each request's first seq_len slots
+(causal over prefix + new tokens for extend).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def test_backend_kernel_matches_gather_path(page_size):
 
     torch.manual_seed(page_size)
     heads, kv_heads, dim, dtype = 16, 4, 64, torch.bfloat16
-    reqs = [(20, 5), (3, 1), (130, 1), (0, 1), (64, 1)]  # (prefix, extend); the first is the extend
+    # (prefix, extend): two extend requests (a prefix of a partial page, none), then decodes
+    reqs = [(20, 5), (0, 37), (3, 1), (130, 1), (0, 1), (64, 1)]
     ctx = SimpleNamespace(
         req_to_token_pool=ReqToTokenPool(8, 512, "cpu"),
         kv_pool=TokenToKVPool(1024 // page_size + 1, page_size, 2, kv_heads, dim, dtype, "cpu"),
@@ -152,8 +154,8 @@ def test_backend_kernel_matches_gather_path(page_size):
         page_size=page_size,
     )
     fused, gather = TorchAttentionBackend(ctx), TorchAttentionBackend(ctx)
-    assert fused.use_decode_kernel
-    gather.use_decode_kernel = False
+    assert fused.use_kernels
+    gather.use_kernels = False
     rows = ctx.req_to_token_pool.alloc(len(reqs))
     new_locs = []
     for row, (prefix, extend) in zip(rows, reqs, strict=True):
@@ -166,7 +168,7 @@ def test_backend_kernel_matches_gather_path(page_size):
     n_tok = sum(e for _, e in reqs)
     batch = ForwardBatch.build(
         ForwardMode.MIXED, torch.zeros(n_tok, dtype=torch.int64), rows, [p for p, _ in reqs],
-        [e for _, e in reqs], torch.cat(new_locs), "cpu", num_extend_reqs=1,
+        [e for _, e in reqs], torch.cat(new_locs), "cpu", num_extend_reqs=2,
     )  # fmt: skip
     q = torch.randn(n_tok, heads, dim, dtype=dtype)
     k_new = torch.randn(n_tok, kv_heads, dim, dtype=dtype)
@@ -179,3 +181,39 @@ def test_backend_kernel_matches_gather_path(page_size):
         torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
     fused.init_forward_metadata(batch)
     assert batch.attn_metadata.decode_index is None and batch.attn_metadata.decode_mask is None
+
+
+def _dense_extend(q, k_buffer, v_buffer, req_to_token, rows, prefixes, extends, starts, scale):
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for b, (p, n, s) in enumerate(zip(prefixes, extends, starts, strict=True)):
+        slots = req_to_token[rows[b], : p + n].long()
+        group = q.shape[1] // k_buffer.shape[1]
+        k = k_buffer[slots].float().repeat_interleave(group, 1)  # (p + n, Hq, D)
+        v = v_buffer[slots].float().repeat_interleave(group, 1)
+        scores = torch.einsum("thd,khd->htk", q[s : s + n].float(), k) * scale
+        future = torch.arange(p + n)[None, :] > torch.arange(p, p + n)[:, None]  # (n, p + n)
+        out[s : s + n] = torch.einsum("htk,khd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(4, 2, 64), (16, 4, 64), (8, 8, 128), (12, 4, 32), (7, 1, 96), (32, 2, 256)]
+)
+def test_extend_kernel_matches_dense(dtype, heads, kv_heads, dim):
+    """Every extend request of a batch in one call: no prefix, prefixes of partial and several
+    blocks, one new token, spans longer than one work item (> 256 new tokens)."""
+    torch.manual_seed(dim + heads)
+    prefixes, extends = [0, 5, 33, 100, 0, 17], [1, 40, 7, 3, 300, 64]
+    num_slots, rows = 4096, torch.arange(1, len(prefixes) + 1)
+    k_buffer = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    v_buffer = torch.randn(num_slots, kv_heads, dim).to(dtype)
+    req_to_token = torch.stack([torch.randperm(num_slots - 1)[:512] + 1 for _ in range(len(prefixes) + 2)]).int()
+    starts = [sum(extends[:b]) + 2 for b in range(len(extends))]  # rows 0-1 of q belong to no request
+    q = torch.randn(sum(extends) + 2, heads, dim).to(dtype)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    out = cpu_kernels.paged_extend_attention(
+        q, k_buffer, v_buffer, req_to_token, rows, i32(prefixes), i32(extends), i32(starts), dim**-0.5
+    )
+    want = _dense_extend(q, k_buffer, v_buffer, req_to_token, rows, prefixes, extends, starts, dim**-0.5)
+    torch.testing.assert_close(out[2:].float(), want[2:], atol=TOL[dtype], rtol=TOL[dtype])

@@ -1,6 +1,10 @@
-"""Attention on CPU (or any device) with torch SDPA over gathered pages.
+"""Attention on CPU (or any device): fused paged kernels on CPU, torch SDPA elsewhere.
 
-Extend: one SDPA call per extend request. A request with no cached prefix
+Extend, on CPU with the fused kernel (cpu_kernels.available()): one call per layer
+for every extend request, reading the cached prefix and the just-stored new K/V
+straight from the pool through req_to_token.
+
+Extend otherwise: one SDPA call per extend request. A request with no cached prefix
 attends over its own fresh k/v (no gather, plain causal mask). With a prefix,
 its K/V are gathered from the pool by `req_to_token` and the causal mask is
 aligned to the bottom-right:
@@ -47,6 +51,8 @@ class _Metadata:
     # gather path
     decode_index: torch.Tensor | None = None  # (num_decode, max_len) int64 slots
     decode_mask: torch.Tensor | None = None  # (num_decode, 1, 1, max_len) bool
+    # fused extend kernel: per extend request, its row, prefix, new tokens and first q row
+    extend_kernel_args: tuple[torch.Tensor, ...] | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -54,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(runner_ctx)
         ctx = self.ctx
         # Decided once: the first call may compile the kernel (seconds, then cached on disk).
-        self.use_decode_kernel = (
+        self.use_kernels = (
             torch.device(ctx.device).type == "cpu"
             and cpu_kernels.supports(ctx.head_dim, ctx.num_heads, ctx.num_kv_heads, ctx.kv_pool.dtype)
             and cpu_kernels.available()
@@ -69,7 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
             prefix, seq = batch.prefix_lens_cpu[i], batch.seq_lens_cpu[i]
             n = seq - prefix
             item = _ExtendItem(start, start + n, None, None)
-            if prefix > 0:
+            if prefix > 0 and not self.use_kernels:
                 item.kv_index = table[rows[i], :seq].to(torch.int64)
                 q_pos = torch.arange(prefix, seq, device=table.device)
                 item.mask = torch.arange(seq, device=table.device)[None, :] <= q_pos[:, None]
@@ -77,7 +83,15 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
         n_dec = batch.batch_size - batch.num_extend_reqs
         meta = _Metadata(extends, start, n_dec)
-        if n_dec and self.use_decode_kernel:
+        if extends and self.use_kernels:
+            i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+            meta.extend_kernel_args = (
+                rows[: batch.num_extend_reqs].to(torch.int64).contiguous(),
+                i32(batch.prefix_lens_cpu[: batch.num_extend_reqs]),
+                i32([it.end - it.start for it in extends]),
+                i32([it.start for it in extends]),
+            )
+        if n_dec and self.use_kernels:
             # views (no copy) when ForwardBatch.build made them: int64 rows, int32 lengths
             meta.decode_rows = rows[batch.num_extend_reqs :].to(torch.int64).contiguous()
             meta.decode_seq_lens = batch.seq_lens[batch.num_extend_reqs :].to(torch.int32).contiguous()
@@ -99,8 +113,22 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         self._store(k, v, layer, batch)
         meta: _Metadata = batch.attn_metadata
-        out = torch.empty_like(q)
         kbuf, vbuf = self.ctx.kv_pool.k_buffer(layer), self.ctx.kv_pool.v_buffer(layer)
+        if meta.extend_kernel_args is not None:
+            out = cpu_kernels.paged_extend_attention(
+                q.to(kbuf.dtype), kbuf, vbuf, self.ctx.req_to_token_pool.req_to_token,
+                *meta.extend_kernel_args, self.ctx.scaling,
+            ).to(q.dtype)
+        else:
+            out = self._extend_sdpa(q, k, v, kbuf, vbuf, meta)
+        if meta.num_decode:
+            s = meta.decode_start
+            out[s:] = self._decode(q[s:], layer, meta)
+        return out.flatten(1)
+
+    def _extend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kbuf: torch.Tensor,
+                     vbuf: torch.Tensor, meta: _Metadata) -> torch.Tensor:
+        out = torch.empty_like(q)
         for it in meta.extends:
             # 4-D inputs: with a leading batch dim torch takes its flash CPU kernel,
             # with 3-D it falls back to the math path (measured ~7x slower in bf16).
@@ -115,10 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=self.ctx.scaling, enable_gqa=True,
             )
             out[it.start : it.end] = o[0].transpose(0, 1)
-        if meta.num_decode:
-            s = meta.decode_start
-            out[s:] = self._decode(q[s:], layer, meta)
-        return out.flatten(1)
+        return out
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

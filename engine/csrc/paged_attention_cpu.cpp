@@ -30,7 +30,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +41,7 @@
 #include <immintrin.h>
 #endif
 
+#include "run_dynamic.h"
 #include "vec16.h"
 
 namespace {
@@ -96,6 +96,7 @@ struct Problem {
 };
 
 #include "decode_blocks.h"
+using tandem_par::run_dynamic;
 
 // One (b, kv-head chunk, split) work item; NV = dim / 16. The chunk is kv heads
 // [h0, h0 + heads_per_item): a slot's K (or V) row for those heads is contiguous
@@ -220,21 +221,6 @@ void merge_item(const Problem& P, int b, int h) {
     scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_sb + (h * G + g) * P.o_sh;
     store_row(op, acc, D, L > 0.f ? 1.f / L : 0.f);
   }
-}
-
-// Items are handed out dynamically (an atomic counter inside one parallel region on
-// torch's thread pool) so uneven sequence lengths don't leave a thread idle.
-template <typename F>
-void run_dynamic(int64_t n, const F& f) {
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) f(i);
-  });
 }
 
 template <typename scalar_t, int NV>

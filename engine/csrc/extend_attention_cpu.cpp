@@ -1,0 +1,334 @@
+// Paged extend (prefill) attention for CPU: every extend request of a batch in one call,
+// K/V read straight from the paged pool through req_to_token. The new tokens' K/V are
+// stored there before the call, so a cached prefix and the new tokens are read alike and
+// a prefix needs no gather copy (loaded by engine/cpu_kernels.py).
+//
+// Request b has prefix_lens[b] cached tokens and extend_lens[b] new ones; its queries are
+// rows [q_starts[b], q_starts[b] + extend_lens[b]) of q. New token j is at position
+// p = prefix + j and attends to kv positions 0..p (causal, aligned bottom-right).
+//
+// One work item is (b, kv head h, a span of up to kSpan query tokens). It packs the
+// span's kv range once:
+//
+//   Kt[d][t] = K[slot(t), h, d]     transposed, fp32: 16 positions per vector
+//   Vf[t][d] = V[slot(t), h, d]     fp32
+//
+// and then takes the span q_tok tokens at a time. Their rows are the tokens x the G query
+// heads of h (row r = token * G + g), so each packed K/V row serves all of them:
+//
+//   for each block of kKv kv positions t, up to the q_tok tokens' last position:
+//     S[r][t]  = (scale q_r) . K_t    -inf where t > pos(r)
+//     online softmax per row: m_r, l_r; O[r] *= exp(m_old - m_new)
+//     O[r][:] += sum_t exp(S[r][t] - m_r) Vf[t][:]
+//   out[r] = O[r] / l_r
+//
+// Both products are outer products, a broadcast scalar (q_r[d], or p[r][t]) times a
+// 16-wide vector of the packed block, over a few rows at a time: no horizontal sums.
+// Accumulation is fp32 throughout (torch's bf16 SDPA rounds p to bf16 before p.V; this
+// does not, so it is at least as close to the fp32 result).
+//
+// Registered as torch.ops.tandem_cpu.paged_extend_attention (see the bottom).
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "run_dynamic.h"
+#include "vec16.h"
+
+namespace {
+using namespace tandem_vec;
+
+constexpr int kKv = 32;     // kv positions per block: two vectors of scores per row
+constexpr int kRows = 64;   // rows (query tokens x group heads) in one softmax pass
+constexpr int kSpan = 256;  // query tokens per work item: its kv range is packed once
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const int32_t* req_to_token;
+  const int64_t* req_pool_indices;
+  const int32_t* prefix_lens;
+  const int32_t* extend_lens;
+  const int32_t* q_starts;
+  int64_t q_st, q_sh;  // q strides (token, head); out has the same layout
+  int64_t o_st, o_sh;
+  int64_t kv_ss;       // k/v slot stride; each slot's (kv_heads, dim) is contiguous
+  int64_t r2t_stride;
+  int hkv, group, q_tok;  // q_tok: query tokens per item (kRows / group)
+  float scale;
+};
+
+// Per-thread scratch of one item, sized for the largest head_dim once.
+struct Scratch {
+  std::vector<float> qf, kt, vf, s, o, m, l;  // kt and vf grow with the kv range (pack_kv)
+  void fit(int rows, int dim) {
+    qf.resize(static_cast<size_t>(rows) * dim);
+    s.resize(static_cast<size_t>(rows) * kKv);
+    o.resize(static_cast<size_t>(rows) * dim);
+    m.resize(rows);
+    l.resize(rows);
+  }
+};
+
+// Rows processed together: their accumulators plus one block row stay in registers.
+template <int NV>
+constexpr int kTile = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
+
+// S[r][0..32) = qf_r . Kt[.][0..32) for rows [r0, r0 + R); rows past R are padding.
+template <int NV>
+inline void scores(const float* qf, const float* kt, float* S, int rows) {
+  constexpr int D = NV * 16, R = kTile<NV>;
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    V16 acc[R][2];
+    for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = vzero();
+    for (int d = 0; d < D; ++d) {
+      const V16 k0 = vload(kt + d * kKv), k1 = vload(kt + d * kKv + 16);
+      for (int i = 0; i < R; ++i) {
+        const V16 qv = vset1(qf[(r0 + i) * D + d]);
+        acc[i][0] = vfma(qv, k0, acc[i][0]);
+        acc[i][1] = vfma(qv, k1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      vstore(S + (r0 + i) * kKv, acc[i][0]);
+      vstore(S + (r0 + i) * kKv + 16, acc[i][1]);
+    }
+  }
+}
+
+// O[r] = O[r] * alpha[r] + sum_t P[r][t] Vf[t] over t < n, for rows [0, rows).
+template <int NV>
+inline void accumulate_pv(const float* P, const float* vf, const float* alpha, float* O, int rows, int n) {
+  constexpr int D = NV * 16, R = kTile<NV>;
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    V16 acc[R][NV];
+    for (int i = 0; i < R; ++i) {
+      const V16 a = vset1(alpha[r0 + i]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = vmul(a, vload(O + (r0 + i) * D + 16 * c));
+    }
+    for (int t = 0; t < n; ++t) {
+      V16 vrow[NV];
+      for (int c = 0; c < NV; ++c) vrow[c] = vload(vf + t * D + 16 * c);
+      for (int i = 0; i < R; ++i) {
+        const V16 p = vset1(P[(r0 + i) * kKv + t]);
+        for (int c = 0; c < NV; ++c) acc[i][c] = vfma(p, vrow[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < NV; ++c) vstore(O + (r0 + i) * D + 16 * c, acc[i][c]);
+  }
+}
+
+// Online softmax of one block: S becomes P (0 past each row's causal limit), m and l
+// advance, alpha[r] is the factor the row's O must be rescaled by.
+inline void softmax_block(float* S, float* m, float* l, float* alpha, int rows, int n, int first_pos,
+                          int t0, int group) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = S + r * kKv;
+    const int limit = std::min(n, first_pos + r / group - t0 + 1);  // keys t0 .. pos(r)
+    if (limit <= 0) {  // the whole block is in this row's future
+      alpha[r] = 1.f;
+      for (int j = 0; j < kKv; j += 16) vstore(row + j, vzero());
+      continue;
+    }
+    V16 mx = vset1(kNegInf);
+    for (int j = 0; j < limit; j += 16) mx = vmax(mx, vload_n(row + j, std::min(16, limit - j), kNegInf));
+    const float m_new = std::max(m[r], vhmax(mx));
+    alpha[r] = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the row's first block
+    const V16 mv = vset1(m_new);
+    V16 sum = vzero();
+    for (int j = 0; j < kKv; j += 16) {
+      const V16 p = vkeep_n(vexp(vsub(vload(row + j), mv)), std::max(0, std::min(16, limit - j)));
+      vstore(row + j, p);
+      sum = vadd(sum, p);
+    }
+    l[r] = l[r] * alpha[r] + vsum(sum);
+    m[r] = m_new;
+  }
+}
+
+// Packs kv positions [0, n) of head h into Kt (per 32-position block: [d][32], fp32,
+// zero past n) and Vf ([t][d], fp32).
+template <typename scalar_t, int NV>
+void pack_kv(const Problem& P, Scratch& W, const int32_t* slots, int h, int n) {
+  constexpr int D = NV * 16;
+  const int blocks = (n + kKv - 1) / kKv;
+  W.kt.resize(static_cast<size_t>(blocks) * D * kKv);
+  W.vf.resize(static_cast<size_t>(blocks) * kKv * D);
+  const scalar_t* K = static_cast<const scalar_t*>(P.k) + static_cast<int64_t>(h) * D;
+  const scalar_t* V = static_cast<const scalar_t*>(P.v) + static_cast<int64_t>(h) * D;
+  for (int blk = 0; blk < blocks; ++blk) {
+    float* kt = W.kt.data() + static_cast<size_t>(blk) * D * kKv;
+    float* vf = W.vf.data() + static_cast<size_t>(blk) * kKv * D;
+    for (int t = 0; t < kKv; ++t) {
+      const int pos = blk * kKv + t;
+      if (pos >= n) {
+        for (int d = 0; d < D; ++d) kt[d * kKv + t] = 0.f;
+        for (int c = 0; c < NV; ++c) vstore(vf + t * D + 16 * c, vzero());
+        continue;
+      }
+      const int64_t off = static_cast<int64_t>(slots[pos]) * P.kv_ss;
+      for (int d = 0; d < D; ++d) kt[d * kKv + t] = static_cast<float>(K[off + d]);
+      for (int c = 0; c < NV; ++c) vstore(vf + t * D + 16 * c, vload(V + off + 16 * c));
+    }
+  }
+}
+
+// Query tokens [j0, j1) of request b against kv head h: the kv range is packed once,
+// then each block of q_tok tokens (<= kRows rows) runs the online softmax over it.
+template <typename scalar_t, int NV>
+void extend_item(const Problem& P, Scratch& W, int b, int h, int j0, int j1) {
+  constexpr int D = NV * 16;
+  const int G = P.group, prefix = P.prefix_lens[b];
+  pack_kv<scalar_t, NV>(P, W, P.req_to_token + P.req_pool_indices[b] * P.r2t_stride, h, prefix + j1);
+  float *qf = W.qf.data(), *S = W.s.data(), *O = W.o.data();
+  float alpha[kRows];
+  const V16 sc = vset1(P.scale);
+  for (int q0 = j0; q0 < j1; q0 += P.q_tok) {
+    const int q1 = std::min(j1, q0 + P.q_tok);
+    const int rows = (q1 - q0) * G, padded = (rows + kTile<NV> - 1) / kTile<NV> * kTile<NV>;
+    for (int r = 0; r < padded; ++r) {
+      float* dst = qf + r * D;
+      if (r >= rows) {
+        for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vzero());
+        continue;
+      }
+      const scalar_t* src = static_cast<const scalar_t*>(P.q) + (P.q_starts[b] + q0 + r / G) * P.q_st +
+                            (h * G + r % G) * P.q_sh;
+      for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vmul(sc, vload(src + 16 * c)));
+    }
+    std::fill(O, O + padded * D, 0.f);
+    std::fill(W.m.begin(), W.m.begin() + padded, kNegInf);
+    std::fill(W.l.begin(), W.l.begin() + padded, 0.f);
+    const int kv_end = prefix + q1;  // the block's last query position + 1
+    for (int t0 = 0; t0 < kv_end; t0 += kKv) {
+      const int n = std::min(kKv, kv_end - t0);
+      const size_t blk = static_cast<size_t>(t0 / kKv);
+      scores<NV>(qf, W.kt.data() + blk * D * kKv, S, padded);
+      softmax_block(S, W.m.data(), W.l.data(), alpha, padded, n, prefix + q0, t0, G);
+      accumulate_pv<NV>(S, W.vf.data() + blk * kKv * D, alpha, O, padded, n);
+    }
+    for (int r = 0; r < rows; ++r) {
+      scalar_t* dst = static_cast<scalar_t*>(P.out) + (P.q_starts[b] + q0 + r / G) * P.o_st +
+                      (h * G + r % G) * P.o_sh;
+      const V16 inv = vset1(W.l[r] > 0.f ? 1.f / W.l[r] : 0.f);
+      for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vmul(inv, vload(O + r * D + 16 * c)));
+    }
+  }
+}
+
+template <typename scalar_t, int NV>
+void run(const Problem& P, int batch) {
+  // An item is (b, h, a span of up to kSpan query tokens); the costliest (longest kv
+  // range) go first so the dynamic hand-out ends on cheap items.
+  struct Item { int64_t cost; int b, h, j0, j1; };
+  std::vector<Item> items;
+  for (int b = 0; b < batch; ++b)
+    for (int j0 = 0; j0 < P.extend_lens[b]; j0 += kSpan) {
+      const int j1 = std::min(P.extend_lens[b], j0 + kSpan);
+      for (int h = 0; h < P.hkv; ++h) items.push_back({static_cast<int64_t>(j1 - j0) * (P.prefix_lens[b] + j1), b, h, j0, j1});
+    }
+  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  tandem_par::run_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local Scratch W;
+    W.fit(kRows, 256);
+    const Item& it = items[i];
+    extend_item<scalar_t, NV>(P, W, it.b, it.h, it.j0, it.j1);
+  });
+}
+
+template <typename scalar_t>
+void dispatch_dim(const Problem& P, int batch, int dim) {
+  switch (dim) {
+    case 32: return run<scalar_t, 2>(P, batch);
+    case 64: return run<scalar_t, 4>(P, batch);
+    case 96: return run<scalar_t, 6>(P, batch);
+    case 128: return run<scalar_t, 8>(P, batch);
+    case 256: return run<scalar_t, 16>(P, batch);
+    default: TORCH_CHECK(false, "paged_extend_attention: unsupported head_dim ", dim);
+  }
+}
+
+void check_i32(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.numel() == n, name,
+              " must be contiguous int32 (batch,)");
+}
+
+void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buffer,
+                            const at::Tensor& v_buffer, const at::Tensor& req_to_token,
+                            const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+                            const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), "paged_extend_attention is CPU-only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q/out must be (tokens, heads, dim)");
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), "k/v must be (slots, kv_heads, dim)");
+  const int T = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
+  const int Hkv = static_cast<int>(k_buffer.size(1));
+  const int B = static_cast<int>(req_pool_indices.numel());
+  TORCH_CHECK(k_buffer.size(2) == D && Hq % Hkv == 0 && Hq / Hkv <= kRows, "bad head counts or head_dim");
+  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && v_buffer.scalar_type() == k_buffer.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out head_dim must be contiguous");
+  TORCH_CHECK(k_buffer.stride(2) == 1 && k_buffer.stride(1) == D && v_buffer.strides() == k_buffer.strides(),
+              "k/v rows (kv_heads, dim) must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
+              "req_to_token must be int32 (rows, max_ctx) with contiguous rows");
+  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && req_pool_indices.is_contiguous(),
+              "req_pool_indices must be contiguous int64 (batch,)");
+  check_i32(prefix_lens, B, "prefix_lens");
+  check_i32(extend_lens, B, "extend_lens");
+  check_i32(q_starts, B, "q_starts");
+
+  Problem P{};
+  P.q = q.data_ptr();
+  P.k = k_buffer.data_ptr();
+  P.v = v_buffer.data_ptr();
+  P.out = out.data_ptr();
+  P.req_to_token = req_to_token.data_ptr<int32_t>();
+  P.req_pool_indices = req_pool_indices.data_ptr<int64_t>();
+  P.prefix_lens = prefix_lens.data_ptr<int32_t>();
+  P.extend_lens = extend_lens.data_ptr<int32_t>();
+  P.q_starts = q_starts.data_ptr<int32_t>();
+  for (int b = 0; b < B; ++b) {
+    const int64_t row = P.req_pool_indices[b];
+    TORCH_CHECK(row >= 0 && row < req_to_token.size(0), "req_pool_indices out of range");
+    TORCH_CHECK(P.prefix_lens[b] >= 0 && P.extend_lens[b] >= 0 &&
+                    P.prefix_lens[b] + P.extend_lens[b] <= req_to_token.size(1), "prefix/extend lens out of range");
+    TORCH_CHECK(P.q_starts[b] >= 0 && P.q_starts[b] + P.extend_lens[b] <= T, "q_starts out of range");
+  }
+  P.q_st = q.stride(0);
+  P.q_sh = q.stride(1);
+  P.o_st = out.stride(0);
+  P.o_sh = out.stride(1);
+  P.kv_ss = k_buffer.stride(0);
+  P.r2t_stride = req_to_token.stride(0);
+  P.hkv = Hkv;
+  P.group = Hq / Hkv;
+  P.q_tok = std::max(1, kRows / P.group);
+  P.scale = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_dim<float>(P, B, D);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    dispatch_dim<c10::BFloat16>(P, B, D);
+  } else {
+    TORCH_CHECK(false, "paged_extend_attention supports float32 and bfloat16, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def(
+      "paged_extend_attention(Tensor(a!) out, Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
+      "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_extend_attention", &paged_extend_attention); }
