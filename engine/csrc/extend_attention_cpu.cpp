@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_checks.h"
 #include "run_dynamic.h"
 #include "vec16.h"
 
@@ -267,22 +268,10 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
                             const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), "paged_extend_attention is CPU-only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q/out must be (tokens, heads, dim)");
-  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), "k/v must be (slots, kv_heads, dim)");
-  const int T = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
-  const int Hkv = static_cast<int>(k_buffer.size(1));
-  const int B = static_cast<int>(req_pool_indices.numel());
-  TORCH_CHECK(k_buffer.size(2) == D && Hq % Hkv == 0 && Hq / Hkv <= kRows, "bad head counts or head_dim");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && v_buffer.scalar_type() == k_buffer.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out head_dim must be contiguous");
-  TORCH_CHECK(k_buffer.stride(2) == 1 && k_buffer.stride(1) == D && v_buffer.strides() == k_buffer.strides(),
-              "k/v rows (kv_heads, dim) must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token must be int32 (rows, max_ctx) with contiguous rows");
-  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && req_pool_indices.is_contiguous(),
-              "req_pool_indices must be contiguous int64 (batch,)");
+  tandem_paged::check_paged_args("paged_extend_attention", out, q, k_buffer, v_buffer, req_to_token,
+                                 req_pool_indices, kRows);
+  const int T = static_cast<int>(q.size(0)), D = static_cast<int>(q.size(2));
+  const int Hkv = static_cast<int>(k_buffer.size(1)), B = static_cast<int>(req_pool_indices.numel());
   check_i32(prefix_lens, B, "prefix_lens");
   check_i32(extend_lens, B, "extend_lens");
   check_i32(q_starts, B, "q_starts");
@@ -311,7 +300,7 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
   P.kv_ss = k_buffer.stride(0);
   P.r2t_stride = req_to_token.stride(0);
   P.hkv = Hkv;
-  P.group = Hq / Hkv;
+  P.group = static_cast<int>(q.size(1)) / Hkv;
   P.q_tok = std::max(1, kRows / P.group);
   P.scale = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {

@@ -41,6 +41,7 @@
 #include <immintrin.h>
 #endif
 
+#include "paged_checks.h"
 #include "run_dynamic.h"
 #include "vec16.h"
 
@@ -255,23 +256,11 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
                             int64_t num_splits) {
-  TORCH_CHECK(q.device().is_cpu() && k_buffer.device().is_cpu(), "paged_decode_attention is CPU-only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q/out must be (batch, heads, dim)");
-  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), "k/v must be (slots, kv_heads, dim)");
+  tandem_paged::check_paged_args("paged_decode_attention", out, q, k_buffer, v_buffer, req_to_token,
+                                 req_pool_indices, kMaxGroup);
   const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
   const int Hkv = static_cast<int>(k_buffer.size(1));
-  TORCH_CHECK(k_buffer.size(2) == D, "q and k head_dim differ");
-  TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "heads must be a multiple (<= 16x) of kv_heads");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && v_buffer.scalar_type() == k_buffer.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "q, k, v and out must share one dtype");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out head_dim must be contiguous");
-  TORCH_CHECK(k_buffer.stride(2) == 1 && k_buffer.stride(1) == D && v_buffer.strides() == k_buffer.strides(),
-              "k/v rows (kv_heads, dim) must be contiguous");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.dim() == 2 && req_to_token.stride(1) == 1,
-              "req_to_token must be int32 (rows, max_ctx) with contiguous rows");
-  TORCH_CHECK(req_pool_indices.scalar_type() == at::kLong && req_pool_indices.is_contiguous() &&
-                  req_pool_indices.numel() == B, "req_pool_indices must be contiguous int64 (batch,)");
+  TORCH_CHECK(req_pool_indices.numel() == B, "paged_decode_attention: one req_pool_index per q row");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == B,
               "seq_lens must be contiguous int32 (batch,)");
   if (B == 0) return;
