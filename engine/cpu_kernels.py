@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
-_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h", "paged_checks.h")
+_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h", "paged_checks.h", "extend_blocks.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 # head_dim values the kernel is instantiated for (see dispatch_dim in the source)

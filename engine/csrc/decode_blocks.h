@@ -1,8 +1,32 @@
-// Building blocks of the paged decode kernel (paged_attention_cpu.cpp): the scores
-// of one query head against 16 K rows (QRow) and the p.V accumulation of one head
-// over a block of V rows (VPass), generic fp32 lanes and AVX512-BF16 forms.
+// Building blocks of the paged decode kernel (paged_attention_cpu.cpp): row prefetch
+// and staging, the scores of one query head against 16 K rows (QRow) and the p.V
+// accumulation of one head over a block of V rows (VPass), generic fp32 lanes and
+// AVX512-BF16 forms.
 // Included inside the kernel's anonymous namespace, after vec16.h and kBlock.
 #pragma once
+
+// ---- row staging -----------------------------------------------------------------------
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* p, int dim, int hint = 3) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int off = 0; off < dim * static_cast<int>(sizeof(scalar_t)); off += 64) prefetch(c + off, hint);
+}
+// one 64-byte line from p to 64-byte aligned dst
+inline void vstore_raw(void* dst, const void* p) {
+#if defined(__AVX512F__)
+  _mm512_store_si512(dst, _mm512_loadu_si512(p));
+#else
+  std::memcpy(dst, p, 64);
+#endif
+}
+
+// an output row, src * mul, in the output's dtype
+inline void store_row(float* dst, const float* src, int n, float mul) {
+  for (int i = 0; i < n; ++i) dst[i] = src[i] * mul;
+}
+inline void store_row(c10::BFloat16* dst, const float* src, int n, float mul) {
+  for (int i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i] * mul);  // round to nearest even
+}
 
 // ---- scores of one query head against 16 K rows --------------------------------------
 // q: the head's query (fp32 lanes, or raw bf16 pairs for vdpbf16ps); rows[t]: K row pointers.

@@ -55,28 +55,6 @@ constexpr int kHintNext = 2;   // prefetch the next block into L2 (L1 is too sma
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* p, int dim, int hint = 3) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int off = 0; off < dim * static_cast<int>(sizeof(scalar_t)); off += 64) prefetch(c + off, hint);
-}
-// one 64-byte line from p to 64-byte aligned dst
-inline void vstore_raw(void* dst, const void* p) {
-#if defined(__AVX512F__)
-  _mm512_store_si512(dst, _mm512_loadu_si512(p));
-#else
-  std::memcpy(dst, p, 64);
-#endif
-}
-
-inline void store_row(float* dst, const float* src, int n, float mul) {
-  for (int i = 0; i < n; ++i) dst[i] = src[i] * mul;
-}
-inline void store_row(c10::BFloat16* dst, const float* src, int n, float mul) {
-  for (int i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i] * mul);  // round to nearest even
-}
-
-
 struct Problem {
   const void* q;
   const void* k;
