@@ -88,6 +88,7 @@ def _load() -> None:
     torch.ops.tandem_cpu.paged_decode_attention  # noqa: B018  (raises if registration failed)
     torch.ops.tandem_cpu.paged_extend_attention  # noqa: B018
     torch.ops.tandem_cpu.rope_qk  # noqa: B018
+    torch.ops.tandem_cpu.store_kv  # noqa: B018
     torch.ops.tandem_cpu.gumbel_argmax  # noqa: B018
     torch.ops.tandem_cpu.greedy_argmax  # noqa: B018
     log.info("CPU kernels ready in %.1fs (%s)", time.perf_counter() - t0, build_dir)
@@ -209,6 +210,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
     torch.ops.tandem_cpu.silu_and_mul(out, gate_up)
     return out
+
+
+def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v in one call: (slots, kv_heads, dim) buffers,
+    (tokens, kv_heads, dim) k/v of their dtype (token rows may be strided), int64 loc."""
+    torch.ops.tandem_cpu.store_kv(k_buffer, v_buffer, loc, k, v)
 
 
 _EMPTY = torch.empty(0)

@@ -217,3 +217,27 @@ def test_extend_kernel_matches_dense(dtype, heads, kv_heads, dim):
     )
     want = _dense_extend(q, k_buffer, v_buffer, req_to_token, rows, prefixes, extends, starts, dim**-0.5)
     torch.testing.assert_close(out[2:].float(), want[2:], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy(dtype):
+    """TokenToKVPool.set_kv through the fused op equals its index_copy_ path, with k/v as
+    strided views of a fused qkv projection (as the model passes them)."""
+    from tandem.engine.memory_pool import TokenToKVPool
+
+    torch.manual_seed(0)
+    fused, plain = (TokenToKVPool(9, 16, 2, 4, 64, dtype, "cpu") for _ in range(2))
+    assert fused._fused_store
+    plain._fused_store = False
+    for pool in (fused, plain):
+        pool.kv_buffer.zero_()  # torch.empty: compare written slots only against zeros elsewhere
+    for tokens in (1, 64, 120):  # one decode token, a decode batch, a prefill chunk
+        qkv = torch.randn(tokens, (16 + 2 * 4) * 64).to(dtype)
+        k = qkv[:, 16 * 64 : 20 * 64].view(tokens, 4, 64)
+        v = qkv[:, 20 * 64 :].view(tokens, 4, 64)
+        loc = torch.randperm(9 * 16 - 16)[:tokens] + 16
+        for pool in (fused, plain):
+            pool.set_kv(1, loc, k, v)
+        assert torch.equal(fused.kv_buffer, plain.kv_buffer)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.store_kv(fused.k_buffer(0), fused.v_buffer(0), torch.tensor([10**6]), k[:1], v[:1])
