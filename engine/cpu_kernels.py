@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
-_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h", "paged_checks.h", "extend_blocks.h")
+_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h", "paged_checks.h", "extend_blocks.h", "extend_amx.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
 # head_dim values the kernel is instantiated for (see dispatch_dim in the source)
@@ -166,6 +166,7 @@ def paged_extend_attention(
     extend_lens: torch.Tensor,
     q_starts: torch.Tensor,
     scale: float,
+    use_amx: bool = True,
 ) -> torch.Tensor:
     """Causal attention of every extend request's new tokens over its paged KV, in one call.
 
@@ -174,13 +175,16 @@ def paged_extend_attention(
     (batch,) int64; prefix_lens, extend_lens, q_starts (batch,) int32. Request b's queries
     are q[q_starts[b] : q_starts[b] + extend_lens[b]]; its new token j sees the slots
     req_to_token[row, : prefix_lens[b] + j + 1]. Returns (tokens, heads, dim) in q's dtype;
-    rows of q no request covers are left unwritten.
+    rows of q no request covers are left unwritten. use_amx: bf16 products on AMX tiles
+    where the CPU has them (p rounded to bf16, as torch's bf16 SDPA does); False keeps
+    the fp32 FMA path.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     torch.ops.tandem_cpu.paged_extend_attention(
-        out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, float(scale)
+        out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, q_starts, float(scale),
+        use_amx,
     )
     return out
 

@@ -196,13 +196,17 @@ def _dense_extend(q, k_buffer, v_buffer, req_to_token, rows, prefixes, extends, 
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype,use_amx", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32", "bf16-fma", "bf16-amx"],
+)
 @pytest.mark.parametrize(
     "heads,kv_heads,dim", [(4, 2, 64), (16, 4, 64), (8, 8, 128), (12, 4, 32), (7, 1, 96), (32, 2, 256)]
 )
-def test_extend_kernel_matches_dense(dtype, heads, kv_heads, dim):
+def test_extend_kernel_matches_dense(dtype, use_amx, heads, kv_heads, dim):
     """Every extend request of a batch in one call: no prefix, prefixes of partial and several
-    blocks, one new token, spans longer than one work item (> 256 new tokens)."""
+    blocks, one new token, spans longer than one work item (> 256 new tokens). bf16 runs both
+    product forms (AMX tiles where the CPU has them, else that case runs the FMA path too)."""
     torch.manual_seed(dim + heads)
     prefixes, extends = [0, 5, 33, 100, 0, 17], [1, 40, 7, 3, 300, 64]
     num_slots, rows = 4096, torch.arange(1, len(prefixes) + 1)
@@ -213,7 +217,7 @@ def test_extend_kernel_matches_dense(dtype, heads, kv_heads, dim):
     q = torch.randn(sum(extends) + 2, heads, dim).to(dtype)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     out = cpu_kernels.paged_extend_attention(
-        q, k_buffer, v_buffer, req_to_token, rows, i32(prefixes), i32(extends), i32(starts), dim**-0.5
+        q, k_buffer, v_buffer, req_to_token, rows, i32(prefixes), i32(extends), i32(starts), dim**-0.5, use_amx
     )
     want = _dense_extend(q, k_buffer, v_buffer, req_to_token, rows, prefixes, extends, starts, dim**-0.5)
     torch.testing.assert_close(out[2:].float(), want[2:], atol=TOL[dtype], rtol=TOL[dtype])

@@ -22,10 +22,11 @@
 //     O[r][:] += sum_t exp(S[r][t] - m_r) Vf[t][:]
 //   out[r] = O[r] / l_r
 //
-// Both products are outer products, a broadcast scalar (q_r[d], or p[r][t]) times a
-// 16-wide vector of the packed block, over a few rows at a time: no horizontal sums.
-// Accumulation is fp32 throughout (torch's bf16 SDPA rounds p to bf16 before p.V; this
-// does not, so it is at least as close to the fp32 result).
+// The products come in two forms. fp32 lanes (extend_blocks.h): a broadcast scalar
+// (q_r[d], or p[r][t]) times a 16-wide vector of the packed block, a few rows at a
+// time, fp32 throughout. AMX tiles (extend_amx.h), for bf16 on a CPU that has them:
+// 16-row tile multiplies, p rounded to bf16 for p.V as torch's bf16 SDPA does.
+// Accumulation is fp32 in both.
 //
 // Registered as torch.ops.tandem_cpu.paged_extend_attention (see the bottom).
 
@@ -35,8 +36,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "paged_checks.h"
 #include "run_dynamic.h"
@@ -66,13 +75,18 @@ struct Problem {
   int64_t r2t_stride;
   int hkv, group, q_tok;  // q_tok: query tokens per item (kRows / group)
   float scale;
+  bool use_amx;  // bf16 on a CPU with AMX: the tile products (extend_amx.h)
 };
 
-// Per-thread scratch of one item, sized for the largest head_dim once.
+// Per-thread scratch of one item. The packed kv range (kt/vf, or kp/vp for AMX) grows
+// with the item's range; the rest is sized for kRows rows of the largest head_dim.
 struct Scratch {
-  std::vector<float> qf, kt, vf, s, o, m, l;  // kt and vf grow with the kv range (pack_kv)
+  std::vector<float> qf, kt, vf, s, o, m, l;
+  std::vector<uint16_t> qb, kp, vp, pb;
   void fit(int rows, int dim) {
     qf.resize(static_cast<size_t>(rows) * dim);
+    qb.resize(static_cast<size_t>(rows) * dim);
+    pb.resize(static_cast<size_t>(rows) * kKv);
     s.resize(static_cast<size_t>(rows) * kKv);
     o.resize(static_cast<size_t>(rows) * dim);
     m.resize(rows);
@@ -80,6 +94,7 @@ struct Scratch {
   }
 };
 
+#include "extend_amx.h"
 #include "extend_blocks.h"
 
 // Online softmax of one block: S becomes P (0 past each row's causal limit), m and l
@@ -110,66 +125,59 @@ inline void softmax_block(float* S, float* m, float* l, float* alpha, int rows, 
   }
 }
 
-// Packs kv positions [0, n) of head h into Kt (per 32-position block: [d][32], fp32,
-// zero past n) and Vf ([t][d], fp32).
-template <typename scalar_t, int NV>
-void pack_kv(const Problem& P, Scratch& W, const int32_t* slots, int h, int n) {
+// Rows [0, padded) of one q block as the scores read them: raw bf16 into qb for AMX,
+// else fp32 pre-scaled into qf; rows past `rows` are zero.
+template <typename scalar_t, int NV, bool kAmx>
+void load_q(const Problem& P, Scratch& W, const scalar_t* block_q, int h, int rows, int padded) {
   constexpr int D = NV * 16;
-  const int blocks = (n + kKv - 1) / kKv;
-  W.kt.resize(static_cast<size_t>(blocks) * D * kKv);
-  W.vf.resize(static_cast<size_t>(blocks) * kKv * D);
-  const scalar_t* K = static_cast<const scalar_t*>(P.k) + static_cast<int64_t>(h) * D;
-  const scalar_t* V = static_cast<const scalar_t*>(P.v) + static_cast<int64_t>(h) * D;
-  for (int blk = 0; blk < blocks; ++blk) {
-    float* kt = W.kt.data() + static_cast<size_t>(blk) * D * kKv;
-    float* vf = W.vf.data() + static_cast<size_t>(blk) * kKv * D;
-    for (int t = 0; t < kKv; ++t) {
-      const int pos = blk * kKv + t;
-      if (pos >= n) {
-        for (int d = 0; d < D; ++d) kt[d * kKv + t] = 0.f;
-        for (int c = 0; c < NV; ++c) vstore(vf + t * D + 16 * c, vzero());
-        continue;
-      }
-      const int64_t off = static_cast<int64_t>(slots[pos]) * P.kv_ss;
-      for (int d = 0; d < D; ++d) kt[d * kKv + t] = static_cast<float>(K[off + d]);
-      for (int c = 0; c < NV; ++c) vstore(vf + t * D + 16 * c, vload(V + off + 16 * c));
+  const int G = P.group;
+  for (int r = 0; r < padded; ++r) {
+    const scalar_t* src = block_q + (r / G) * P.q_st + (h * G + r % G) * P.q_sh;
+    if constexpr (kAmx) {
+      uint16_t* dst = W.qb.data() + r * D;
+      if (r < rows) std::memcpy(dst, src, D * sizeof(uint16_t));
+      else std::fill(dst, dst + D, uint16_t{0});
+    } else {
+      float* dst = W.qf.data() + r * D;
+      for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, r < rows ? vmul(vset1(P.scale), vload(src + 16 * c)) : vzero());
     }
   }
 }
 
 // Query tokens [j0, j1) of request b against kv head h: the kv range is packed once,
 // then each block of q_tok tokens (<= kRows rows) runs the online softmax over it.
-template <typename scalar_t, int NV>
+template <typename scalar_t, int NV, bool kAmx>
 void extend_item(const Problem& P, Scratch& W, int b, int h, int j0, int j1) {
-  constexpr int D = NV * 16;
+  constexpr int D = NV * 16, kRowStep = kAmx ? 16 : kTile<NV>;
   const int G = P.group, prefix = P.prefix_lens[b];
-  pack_kv<scalar_t, NV>(P, W, P.req_to_token + P.req_pool_indices[b] * P.r2t_stride, h, prefix + j1);
-  float *qf = W.qf.data(), *S = W.s.data(), *O = W.o.data();
+  const int32_t* slots = P.req_to_token + P.req_pool_indices[b] * P.r2t_stride;
+  const scalar_t* K = static_cast<const scalar_t*>(P.k) + static_cast<int64_t>(h) * D;
+  const scalar_t* V = static_cast<const scalar_t*>(P.v) + static_cast<int64_t>(h) * D;
+  if constexpr (kAmx) {
+    pack_kv_amx<NV>(K, V, P.kv_ss, slots, prefix + j1, W.kp, W.vp);
+    load_tile_config();
+  } else {
+    pack_kv<scalar_t, NV>(P, W, slots, h, prefix + j1);
+  }
+  float *S = W.s.data(), *O = W.o.data();
   float alpha[kRows];
-  const V16 sc = vset1(P.scale);
   for (int q0 = j0; q0 < j1; q0 += P.q_tok) {
     const int q1 = std::min(j1, q0 + P.q_tok);
-    const int rows = (q1 - q0) * G, padded = (rows + kTile<NV> - 1) / kTile<NV> * kTile<NV>;
-    for (int r = 0; r < padded; ++r) {
-      float* dst = qf + r * D;
-      if (r >= rows) {
-        for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vzero());
-        continue;
-      }
-      const scalar_t* src = static_cast<const scalar_t*>(P.q) + (P.q_starts[b] + q0 + r / G) * P.q_st +
-                            (h * G + r % G) * P.q_sh;
-      for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vmul(sc, vload(src + 16 * c)));
-    }
+    const int rows = (q1 - q0) * G, padded = (rows + kRowStep - 1) / kRowStep * kRowStep;
+    const scalar_t* block_q = static_cast<const scalar_t*>(P.q) + (P.q_starts[b] + q0) * P.q_st;
+    load_q<scalar_t, NV, kAmx>(P, W, block_q, h, rows, padded);
     std::fill(O, O + padded * D, 0.f);
     std::fill(W.m.begin(), W.m.begin() + padded, kNegInf);
     std::fill(W.l.begin(), W.l.begin() + padded, 0.f);
     const int kv_end = prefix + q1;  // the block's last query position + 1
     for (int t0 = 0; t0 < kv_end; t0 += kKv) {
       const int n = std::min(kKv, kv_end - t0);
-      const size_t blk = static_cast<size_t>(t0 / kKv);
-      scores<NV>(qf, W.kt.data() + blk * D * kKv, S, padded);
+      const size_t off = static_cast<size_t>(t0 / kKv) * D * kKv;  // the block, in either packing
+      if constexpr (kAmx) scores_amx<NV>(W.qb.data(), W.kp.data() + off, P.scale, S, padded);
+      else scores<NV>(W.qf.data(), W.kt.data() + off, S, padded);
       softmax_block(S, W.m.data(), W.l.data(), alpha, padded, n, prefix + q0, t0, G);
-      accumulate_pv<NV>(S, W.vf.data() + blk * kKv * D, alpha, O, padded, n);
+      if constexpr (kAmx) pv_amx<NV>(S, W.vp.data() + off, alpha, O, padded, W.pb.data());
+      else accumulate_pv<NV>(S, W.vf.data() + off, alpha, O, padded, n);
     }
     for (int r = 0; r < rows; ++r) {
       scalar_t* dst = static_cast<scalar_t*>(P.out) + (P.q_starts[b] + q0 + r / G) * P.o_st +
@@ -178,6 +186,7 @@ void extend_item(const Problem& P, Scratch& W, int b, int h, int j0, int j1) {
       for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vmul(inv, vload(O + r * D + 16 * c)));
     }
   }
+  if constexpr (kAmx) _tile_release();
 }
 
 template <typename scalar_t, int NV>
@@ -192,11 +201,16 @@ void run(const Problem& P, int batch) {
       for (int h = 0; h < P.hkv; ++h) items.push_back({static_cast<int64_t>(j1 - j0) * (P.prefix_lens[b] + j1), b, h, j0, j1});
     }
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool amx = kHaveAmx && kBf16 && P.use_amx && amx_usable();
   tandem_par::run_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch W;
     W.fit(kRows, 256);
     const Item& it = items[i];
-    extend_item<scalar_t, NV>(P, W, it.b, it.h, it.j0, it.j1);
+    if constexpr (kHaveAmx && kBf16) {
+      if (amx) return extend_item<scalar_t, NV, true>(P, W, it.b, it.h, it.j0, it.j1);
+    }
+    extend_item<scalar_t, NV, false>(P, W, it.b, it.h, it.j0, it.j1);
   });
 }
 
@@ -220,7 +234,8 @@ void check_i32(const at::Tensor& t, int64_t n, const char* name) {
 void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
-                            const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale) {
+                            const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale,
+                            bool use_amx) {
   tandem_paged::check_paged_args("paged_extend_attention", out, q, k_buffer, v_buffer, req_to_token,
                                  req_pool_indices, kRows);
   const int T = static_cast<int>(q.size(0)), D = static_cast<int>(q.size(2));
@@ -256,6 +271,7 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
   P.group = static_cast<int>(q.size(1)) / Hkv;
   P.q_tok = std::max(1, kRows / P.group);
   P.scale = static_cast<float>(scale);
+  P.use_amx = use_amx;
   if (q.scalar_type() == at::kFloat) {
     dispatch_dim<float>(P, B, D);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -270,7 +286,8 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
       "paged_extend_attention(Tensor(a!) out, Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
-      "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scale) -> ()");
+      "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scale, "
+      "bool use_amx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_extend_attention", &paged_extend_attention); }
