@@ -83,15 +83,9 @@ class VllmServer:
 def compare_with_vllm(args: argparse.Namespace, config: dict) -> dict:
     """Our engine in this process and vLLM's in its own, both warm, take turns shape by
     shape (the order flips each round), so each ratio pairs two runs seconds apart."""
-    import torch
-    from transformers import AutoConfig
-
     from tandem import Engine
-    from tandem.engine.model_builder import resolve_model
 
-    torch.set_num_threads(args.threads)
-    path = str(resolve_model(args.model))
-    vocab = AutoConfig.from_pretrained(path).vocab_size
+    path, vocab = _model(args)
     vllm = VllmServer(path, args.dtype, 64)
     res: dict = {"protocol": "both warm, alternating run by run, order flipped each round"}
     try:
@@ -146,15 +140,10 @@ def compare_in_process(args: argparse.Namespace, workload: str, a: tuple[str, di
     run: each pair is a second or two apart, so the machine's slow phases (which last
     seconds to minutes here) hit both sides of a ratio alike. The idle engine's
     scheduler thread only polls its queue."""
-    import torch
-    from transformers import AutoConfig
-
     from tandem import Engine
-    from tandem.engine.model_builder import resolve_model
 
-    torch.set_num_threads(args.threads)
-    path = str(resolve_model(args.model))
-    requests = _workload(workload, AutoConfig.from_pretrained(path).vocab_size)
+    path, vocab = _model(args)
+    requests = _workload(workload, vocab)
     engines = {name: Engine(path, **cfg) for name, cfg in (a, b)}
     try:
         for eng in engines.values():
@@ -168,6 +157,18 @@ def compare_in_process(args: argparse.Namespace, workload: str, a: tuple[str, di
             eng.shutdown()
     return {"a": a[0], "b": b[0], "rounds": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
             "protocol": "in-process, alternating run by run"}
+
+
+def _model(args: argparse.Namespace) -> tuple[str, int]:
+    """For a run in this process: torch's thread count set, the model built if needed; (path, vocab)."""
+    import torch
+    from transformers import AutoConfig
+
+    from tandem.engine.model_builder import resolve_model
+
+    torch.set_num_threads(args.threads)
+    path = str(resolve_model(args.model))
+    return path, AutoConfig.from_pretrained(path).vocab_size
 
 
 def _warm_up(eng) -> None:

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--shape", choices=sorted(SHAPES), default="throughput", help="workload shape (workloads.py)")
     p.add_argument("--serve", action="store_true", help="answer shape names on stdin with timed runs")
+    p.add_argument("--profile-dir", default=None, help="torch-profile one more timed run; the op table lands here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats",
@@ -67,6 +68,8 @@ def build_llm(args: argparse.Namespace):  # -> vllm.LLM
     from vllm import LLM
 
     kwargs = dict(
+        profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.abspath(args.profile_dir),
+                         "torch_profiler_with_stack": False} if args.profile_dir else None,
         model=args.model,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
@@ -93,7 +96,7 @@ def generate(llm, requests: list[Request]) -> int:
 
 def timed_run(llm, requests: list[Request], repeats: int = 1) -> dict:
     """The fastest of `repeats` timed generate calls, the prefix cache reset before each."""
-    _, expected_output = token_counts(requests)
+    input_tokens, expected_output = token_counts(requests)
     load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
     runs = []
     for _ in range(repeats):
@@ -103,7 +106,6 @@ def timed_run(llm, requests: list[Request], repeats: int = 1) -> dict:
         runs.append(time.perf_counter() - start)
         assert output_tokens == expected_output, f"got {output_tokens} output tokens, want {expected_output}"
     seconds = min(runs)
-    input_tokens = token_counts(requests)[0]
     return {
         "num_requests": len(requests),
         "input_tokens": input_tokens,
@@ -148,6 +150,11 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": args.shape,
         **timed_run(llm, requests, args.repeats),
     }
+    if args.profile_dir:
+        llm.reset_prefix_cache()
+        llm.start_profile()
+        generate(llm, requests)
+        llm.stop_profile()  # vLLM writes the trace and a profiler_out.txt op table
     print(json.dumps(result, indent=2))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
-_HEADERS = ("vec16.h", "decode_blocks.h", "run_dynamic.h", "paged_checks.h", "extend_blocks.h", "extend_amx.h")
+_HEADERS = tuple(sorted(p.name for p in _CSRC.glob("*.h")))  # all of them feed the build key
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 _LDFLAGS = ["-fopenmp"]
-# head_dim values the kernel is instantiated for (see dispatch_dim in the source)
+# head_dim values the kernels are instantiated for (csrc/dispatch.h)
 SUPPORTED_HEAD_DIMS = frozenset({32, 64, 96, 128, 256})
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.bfloat16})
 MAX_GROUP = 16  # query heads per kv head
@@ -266,4 +266,3 @@ def gumbel_argmax(
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the first index of the maximum (what torch.argmax returns), ~5-10x faster."""
     return torch.ops.tandem_cpu.greedy_argmax(logits.float().contiguous())
-

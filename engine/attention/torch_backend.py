@@ -65,6 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
             and cpu_kernels.supports(ctx.head_dim, ctx.num_heads, ctx.num_kv_heads, ctx.kv_pool.dtype)
             and cpu_kernels.available()
         )
+        self.use_amx = True  # bf16 extend products on AMX tiles where the CPU has them
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.ctx.req_to_token_pool.req_to_token
@@ -84,11 +85,12 @@ class TorchAttentionBackend(AttentionBackend):
         n_dec = batch.batch_size - batch.num_extend_reqs
         meta = _Metadata(extends, start, n_dec)
         if extends and self.use_kernels:
+            n_ext = batch.num_extend_reqs
             i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
             meta.extend_kernel_args = (
-                rows[: batch.num_extend_reqs].to(torch.int64).contiguous(),
-                i32(batch.prefix_lens_cpu[: batch.num_extend_reqs]),
-                i32([it.end - it.start for it in extends]),
+                rows[:n_ext].to(torch.int64).contiguous(),
+                i32(batch.prefix_lens_cpu[:n_ext]),
+                i32(batch.extend_lens_cpu[:n_ext]),
                 i32([it.start for it in extends]),
             )
         if n_dec and self.use_kernels:
@@ -117,7 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.extend_kernel_args is not None:
             out = cpu_kernels.paged_extend_attention(
                 q.to(kbuf.dtype), kbuf, vbuf, self.ctx.req_to_token_pool.req_to_token,
-                *meta.extend_kernel_args, self.ctx.scaling,
+                *meta.extend_kernel_args, self.ctx.scaling, self.use_amx,
             ).to(q.dtype)
         else:
             out = self._extend_sdpa(q, k, v, kbuf, vbuf, meta)

@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -47,33 +46,25 @@
 #include <unistd.h>
 #endif
 
-#include "paged_checks.h"
+#include "dispatch.h"
+#include "paged_args.h"
 #include "run_dynamic.h"
 #include "vec16.h"
 
 namespace {
 using namespace tandem_vec;
+using tandem_dispatch::by_dtype;
+using tandem_dispatch::by_head_dim;
 
 constexpr int kKv = 32;     // kv positions per block: two vectors of scores per row
 constexpr int kRows = 64;   // rows (query tokens x group heads) in one softmax pass
 constexpr int kSpan = 256;  // query tokens per work item: its kv range is packed once
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Problem {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  const int32_t* req_to_token;
-  const int64_t* req_pool_indices;
+struct Problem : tandem_paged::PagedArgs {
   const int32_t* prefix_lens;
   const int32_t* extend_lens;
   const int32_t* q_starts;
-  int64_t q_st, q_sh;  // q strides (token, head); out has the same layout
-  int64_t o_st, o_sh;
-  int64_t kv_ss;       // k/v slot stride; each slot's (kv_heads, dim) is contiguous
-  int64_t r2t_stride;
-  int hkv, group, q_tok;  // q_tok: query tokens per item (kRows / group)
+  int q_tok;  // query tokens per softmax pass (kRows / group)
   float scale;
   bool use_amx;  // bf16 on a CPU with AMX: the tile products (extend_amx.h)
 };
@@ -81,17 +72,12 @@ struct Problem {
 // Per-thread scratch of one item. The packed kv range (kt/vf, or kp/vp for AMX) grows
 // with the item's range; the rest is sized for kRows rows of the largest head_dim.
 struct Scratch {
-  std::vector<float> qf, kt, vf, s, o, m, l;
-  std::vector<uint16_t> qb, kp, vp, pb;
-  void fit(int rows, int dim) {
-    qf.resize(static_cast<size_t>(rows) * dim);
-    qb.resize(static_cast<size_t>(rows) * dim);
-    pb.resize(static_cast<size_t>(rows) * kKv);
-    s.resize(static_cast<size_t>(rows) * kKv);
-    o.resize(static_cast<size_t>(rows) * dim);
-    m.resize(rows);
-    l.resize(rows);
-  }
+  static constexpr size_t kMaxDim = 256;
+  std::vector<float> qf = std::vector<float>(kRows * kMaxDim), kt, vf, s = std::vector<float>(kRows * kKv),
+                     o = std::vector<float>(kRows * kMaxDim), m = std::vector<float>(kRows),
+                     l = std::vector<float>(kRows);
+  std::vector<uint16_t> qb = std::vector<uint16_t>(kRows * kMaxDim), kp, vp,
+                        pb = std::vector<uint16_t>(kRows * kKv);
 };
 
 #include "extend_amx.h"
@@ -157,7 +143,7 @@ void extend_item(const Problem& P, Scratch& W, int b, int h, int j0, int j1) {
     pack_kv_amx<NV>(K, V, P.kv_ss, slots, prefix + j1, W.kp, W.vp);
     load_tile_config();
   } else {
-    pack_kv<scalar_t, NV>(P, W, slots, h, prefix + j1);
+    pack_kv<scalar_t, NV>(K, V, P.kv_ss, slots, prefix + j1, W.kt, W.vf);
   }
   float *S = W.s.data(), *O = W.o.data();
   float alpha[kRows];
@@ -205,25 +191,12 @@ void run(const Problem& P, int batch) {
   const bool amx = kHaveAmx && kBf16 && P.use_amx && amx_usable();
   tandem_par::run_dynamic(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local Scratch W;
-    W.fit(kRows, 256);
     const Item& it = items[i];
     if constexpr (kHaveAmx && kBf16) {
       if (amx) return extend_item<scalar_t, NV, true>(P, W, it.b, it.h, it.j0, it.j1);
     }
     extend_item<scalar_t, NV, false>(P, W, it.b, it.h, it.j0, it.j1);
   });
-}
-
-template <typename scalar_t>
-void dispatch_dim(const Problem& P, int batch, int dim) {
-  switch (dim) {
-    case 32: return run<scalar_t, 2>(P, batch);
-    case 64: return run<scalar_t, 4>(P, batch);
-    case 96: return run<scalar_t, 6>(P, batch);
-    case 128: return run<scalar_t, 8>(P, batch);
-    case 256: return run<scalar_t, 16>(P, batch);
-    default: TORCH_CHECK(false, "paged_extend_attention: unsupported head_dim ", dim);
-  }
 }
 
 void check_i32(const at::Tensor& t, int64_t n, const char* name) {
@@ -236,49 +209,27 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
                             const at::Tensor& extend_lens, const at::Tensor& q_starts, double scale,
                             bool use_amx) {
-  tandem_paged::check_paged_args("paged_extend_attention", out, q, k_buffer, v_buffer, req_to_token,
-                                 req_pool_indices, kRows);
-  const int T = static_cast<int>(q.size(0)), D = static_cast<int>(q.size(2));
-  const int Hkv = static_cast<int>(k_buffer.size(1)), B = static_cast<int>(req_pool_indices.numel());
+  Problem P{};
+  static_cast<tandem_paged::PagedArgs&>(P) = tandem_paged::paged_args(
+      "paged_extend_attention", out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, kRows);
+  const int T = static_cast<int>(q.size(0)), B = static_cast<int>(req_pool_indices.numel());
   check_i32(prefix_lens, B, "prefix_lens");
   check_i32(extend_lens, B, "extend_lens");
   check_i32(q_starts, B, "q_starts");
-
-  Problem P{};
-  P.q = q.data_ptr();
-  P.k = k_buffer.data_ptr();
-  P.v = v_buffer.data_ptr();
-  P.out = out.data_ptr();
-  P.req_to_token = req_to_token.data_ptr<int32_t>();
-  P.req_pool_indices = req_pool_indices.data_ptr<int64_t>();
   P.prefix_lens = prefix_lens.data_ptr<int32_t>();
   P.extend_lens = extend_lens.data_ptr<int32_t>();
   P.q_starts = q_starts.data_ptr<int32_t>();
   for (int b = 0; b < B; ++b) {
-    const int64_t row = P.req_pool_indices[b];
-    TORCH_CHECK(row >= 0 && row < req_to_token.size(0), "req_pool_indices out of range");
     TORCH_CHECK(P.prefix_lens[b] >= 0 && P.extend_lens[b] >= 0 &&
                     P.prefix_lens[b] + P.extend_lens[b] <= req_to_token.size(1), "prefix/extend lens out of range");
     TORCH_CHECK(P.q_starts[b] >= 0 && P.q_starts[b] + P.extend_lens[b] <= T, "q_starts out of range");
   }
-  P.q_st = q.stride(0);
-  P.q_sh = q.stride(1);
-  P.o_st = out.stride(0);
-  P.o_sh = out.stride(1);
-  P.kv_ss = k_buffer.stride(0);
-  P.r2t_stride = req_to_token.stride(0);
-  P.hkv = Hkv;
-  P.group = static_cast<int>(q.size(1)) / Hkv;
   P.q_tok = std::max(1, kRows / P.group);
   P.scale = static_cast<float>(scale);
   P.use_amx = use_amx;
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(P, B, D);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16>(P, B, D);
-  } else {
-    TORCH_CHECK(false, "paged_extend_attention supports float32 and bfloat16, got ", q.scalar_type());
-  }
+  by_dtype(q, "paged_extend_attention", [&](auto tag) {
+    by_head_dim(q.size(2), "paged_extend_attention", [&](auto nv) { run<decltype(tag), decltype(nv)::value>(P, B); });
+  });
 }
 
 }  // namespace

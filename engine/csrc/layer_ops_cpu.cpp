@@ -27,11 +27,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dispatch.h"
 #include "vec16.h"
 
 namespace {
 
 using namespace tandem_vec;
+using tandem_dispatch::by_dtype;
 
 // rows per task: about 16k elements, so a decode-sized call stays on one thread
 inline int64_t grain(int64_t dim) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)); }
@@ -136,13 +138,6 @@ void rope_qk_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::
   });
 }
 
-template <typename F>
-void by_dtype(const at::Tensor& t, const char* op, const F& f) {
-  if (t.scalar_type() == at::kFloat) return f(float{});
-  if (t.scalar_type() == at::kBFloat16) return f(c10::BFloat16{});
-  TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", t.scalar_type());
-}
-
 void check_rows(const at::Tensor& t, int64_t dim, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.size(1) == dim && t.stride(1) == 1, what,
               " must be a CPU (rows, ", dim, ") tensor with a contiguous last dim");
@@ -208,6 +203,7 @@ void rope_qk(const at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 
 void store_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::Tensor& loc, const at::Tensor& k,
               const at::Tensor& v) {
+  TORCH_CHECK(k_buffer.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "store_kv is CPU-only");
   TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() && k_buffer.strides() == v_buffer.strides(),
               "store_kv: k/v buffers must be (slots, kv_heads, dim), alike");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_buffer.size(1) && k.size(2) == k_buffer.size(2),

@@ -33,7 +33,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -41,33 +40,25 @@
 #include <immintrin.h>
 #endif
 
-#include "paged_checks.h"
+#include "dispatch.h"
+#include "paged_args.h"
 #include "run_dynamic.h"
 #include "vec16.h"
 
 namespace {
 using namespace tandem_vec;
+using tandem_dispatch::by_dtype;
+using tandem_dispatch::by_head_dim;
 
 constexpr int kBlock = 32;     // tokens scored before one softmax + V pass (scores stay in L1)
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kMaxAccFloats = 4096;  // an item's fp32 accumulators (16 KB): bounds its query heads
 constexpr int kHintNext = 2;   // prefetch the next block into L2 (L1 is too small and too conflicted)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 
-struct Problem {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  const int32_t* req_to_token;
-  const int64_t* req_pool_indices;
+struct Problem : tandem_paged::PagedArgs {
   const int32_t* seq_lens;
-  int64_t q_sb, q_sh;   // q strides (batch, head); the dim stride is 1
-  int64_t o_sb, o_sh;   // out strides
-  int64_t kv_ss;        // k/v slot stride; each slot's (kv_heads, dim) is contiguous
-  int64_t r2t_stride;   // req_to_token row stride
-  int batch, hkv, group;
+  int batch;
   int heads_per_item;         // kv heads one work item covers (a divisor of hkv)
   int num_splits, split_len;  // split s covers tokens [s*split_len, (s+1)*split_len)
   float scale;
@@ -102,7 +93,7 @@ void decode_item(const Problem& P, int b, int h0, int s) {
   for (int j = 0; j < kBlock; ++j) krows[j] = kblk[j];
   VPass<scalar_t, NV> vpass;
   for (int q = 0; q < QH; ++q) {
-    qrow[q].load(static_cast<const scalar_t*>(P.q) + b * P.q_sb + (h0 * G + q) * P.q_sh);
+    qrow[q].load(static_cast<const scalar_t*>(P.q) + b * P.q_st + (h0 * G + q) * P.q_sh);
     for (int i = 0; i < NV; ++i) vstore(acc[q] + 16 * i, vzero());
     m[q] = kNegInf;
     l[q] = 0.f;
@@ -160,7 +151,7 @@ void decode_item(const Problem& P, int b, int h0, int s) {
 
   if (P.partial == nullptr) {
     for (int q = 0; q < QH; ++q) {
-      scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_sb + (h0 * G + q) * P.o_sh;
+      scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_st + (h0 * G + q) * P.o_sh;
       store_row(op, acc[q], D, l[q] > 0.f ? 1.f / l[q] : 0.f);  // l == 0 only for an empty sequence
     }
     return;
@@ -197,7 +188,7 @@ void merge_item(const Problem& P, int b, int h) {
       const V16 wv = vset1(w);
       for (int i = 0; i < NV; ++i) vstore(acc + 16 * i, vfma(wv, vload(pg + 16 * i), vload(acc + 16 * i)));
     }
-    scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_sb + (h * G + g) * P.o_sh;
+    scalar_t* op = static_cast<scalar_t*>(P.out) + b * P.o_st + (h * G + g) * P.o_sh;
     store_row(op, acc, D, L > 0.f ? 1.f / L : 0.f);
   }
 }
@@ -218,48 +209,20 @@ void run(const Problem& P) {
   }
 }
 
-template <typename scalar_t>
-void dispatch_dim(const Problem& P, int dim) {
-  switch (dim) {
-    case 32: return run<scalar_t, 2>(P);
-    case 64: return run<scalar_t, 4>(P);
-    case 96: return run<scalar_t, 6>(P);
-    case 128: return run<scalar_t, 8>(P);
-    case 256: return run<scalar_t, 16>(P);
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported head_dim ", dim);
-  }
-}
-
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
                             int64_t num_splits) {
-  tandem_paged::check_paged_args("paged_decode_attention", out, q, k_buffer, v_buffer, req_to_token,
-                                 req_pool_indices, kMaxGroup);
-  const int B = static_cast<int>(q.size(0)), Hq = static_cast<int>(q.size(1)), D = static_cast<int>(q.size(2));
-  const int Hkv = static_cast<int>(k_buffer.size(1));
+  Problem P{};
+  static_cast<tandem_paged::PagedArgs&>(P) = tandem_paged::paged_args(
+      "paged_decode_attention", out, q, k_buffer, v_buffer, req_to_token, req_pool_indices, kMaxGroup);
+  const int B = static_cast<int>(q.size(0)), D = static_cast<int>(q.size(2)), Hkv = P.hkv;
   TORCH_CHECK(req_pool_indices.numel() == B, "paged_decode_attention: one req_pool_index per q row");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == B,
               "seq_lens must be contiguous int32 (batch,)");
   if (B == 0) return;
-
-  Problem P{};
-  P.q = q.data_ptr();
-  P.k = k_buffer.data_ptr();
-  P.v = v_buffer.data_ptr();
-  P.out = out.data_ptr();
-  P.req_to_token = req_to_token.data_ptr<int32_t>();
-  P.req_pool_indices = req_pool_indices.data_ptr<int64_t>();
   P.seq_lens = seq_lens.data_ptr<int32_t>();
-  P.q_sb = q.stride(0);
-  P.q_sh = q.stride(1);
-  P.o_sb = out.stride(0);
-  P.o_sh = out.stride(1);
-  P.kv_ss = k_buffer.stride(0);
-  P.r2t_stride = req_to_token.stride(0);
   P.batch = B;
-  P.hkv = Hkv;
-  P.group = Hq / Hkv;
   P.scale = static_cast<float>(scale);
   // As many kv heads per item as the accumulators hold (the largest divisor of Hkv);
   // G <= kMaxGroup and D <= 256 guarantee at least one.
@@ -273,8 +236,6 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
 
   int max_len = 0;
   for (int b = 0; b < B; ++b) {
-    const int64_t row = P.req_pool_indices[b];
-    TORCH_CHECK(row >= 0 && row < req_to_token.size(0), "req_pool_indices out of range");
     TORCH_CHECK(P.seq_lens[b] >= 0 && P.seq_lens[b] <= req_to_token.size(1), "seq_lens out of range");
     max_len = std::max(max_len, P.seq_lens[b]);
   }
@@ -294,13 +255,9 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
     partial.resize(static_cast<size_t>(B) * Hkv * splits * P.group * (D + 2));
     P.partial = partial.data();
   }
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_dim<float>(P, D);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_dim<c10::BFloat16>(P, D);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16, got ", q.scalar_type());
-  }
+  by_dtype(q, "paged_decode_attention", [&](auto tag) {
+    by_head_dim(D, "paged_decode_attention", [&](auto nv) { run<decltype(tag), decltype(nv)::value>(P); });
+  });
 }
 
 }  // namespace

@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -100,10 +99,10 @@ inline void fold_lanes(__m512 bv, __m512i bi, float& best, int64_t& best_i) {
 // Greedy: the first index of the row's maximum, as torch.argmax returns it (NaN never
 // wins). torch's CPU argmax streams at ~3 GB/s, a tenth of a tiny-model decode step.
 int64_t max_index(const float* s, int64_t V) {
-  float best = -std::numeric_limits<float>::infinity();
+  float best = tandem_vec::kNegInf;
   int64_t best_i = -1, v = 0;
 #if defined(__AVX512F__)
-  __m512 bv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 bv = _mm512_set1_ps(tandem_vec::kNegInf);
   __m512i bi = _mm512_set1_epi32(-1);
   __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; v + 16 <= V; v += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
@@ -122,12 +121,12 @@ int64_t max_index(const float* s, int64_t V) {
 // p == nullptr: every token competes; else only those with p[v] >= thr.
 int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const float* p = nullptr,
                    float thr = 0.f) {
-  float best = -std::numeric_limits<float>::infinity();
+  float best = tandem_vec::kNegInf;
   int64_t best_i = -1;
   int64_t v = 0;
 #if defined(__AVX512F__)
   // Lane l tracks the best of v = l, l + 16, ...; strict > keeps the earliest per lane.
-  __m512 bv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 bv = _mm512_set1_ps(tandem_vec::kNegInf);
   __m512i bi = _mm512_set1_epi32(-1);
   const __m512i keyv = _mm512_set1_epi32(static_cast<int>(key));
   const __m512 invt = _mm512_set1_ps(inv_t);
@@ -141,7 +140,7 @@ int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const f
     __m512 val = _mm512_fmadd_ps(_mm512_loadu_ps(s + v), invt, g);
     if (p != nullptr) {
       const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + v), _mm512_set1_ps(thr), _CMP_GE_OQ);
-      val = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), keep, val);
+      val = _mm512_mask_mov_ps(_mm512_set1_ps(tandem_vec::kNegInf), keep, val);
     }
     const __mmask16 better = _mm512_cmp_ps_mask(val, bv, _CMP_GT_OQ);
     bv = _mm512_mask_mov_ps(bv, better, val);
@@ -159,7 +158,7 @@ int64_t argmax_row(const float* s, int64_t V, float inv_t, uint32_t key, const f
 
 // p[v] = exp(s[v] * inv_t - max); returns sum p (the top token's p is exactly 1).
 double unnormalised_probs(const float* s, int64_t V, float inv_t, float* p) {
-  float m = -std::numeric_limits<float>::infinity();
+  float m = tandem_vec::kNegInf;
   for (int64_t v = 0; v < V; ++v) m = std::max(m, s[v] * inv_t);
   double z = 0.0;
   int64_t v = 0;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -15,6 +16,8 @@
 #endif
 
 namespace tandem_vec {
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 #if defined(__AVX512F__)
 struct V16 {
   __m512 v;
