@@ -100,7 +100,7 @@ class TokenToKVPool:
         self.kv_buffer[:, :, :page_size].zero_()
         self.allocator = PageAllocator(num_pages, page_size, device)
         # On CPU one fused call writes a layer's K and V (two index_copy_ cost ~45 us each at decode).
-        self._fused_store = self.kv_buffer.device.type == "cpu" and cpu_kernels.available()
+        self._fused_store = self.kv_buffer.device.type == "cpu" and cpu_kernels.enabled("store_kv")
 
     # ---- storage -----------------------------------------------------------------
     def k_buffer(self, layer: int) -> torch.Tensor:

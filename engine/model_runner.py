@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine import cpu_plan
 from tandem.engine.attention import create_backend
 from tandem.engine.config import ModelConfig, RunnerConfig
 from tandem.engine.forward_batch import ForwardBatch
@@ -33,20 +34,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
     if device.type == "cuda":
-        return torch.bfloat16
-    # bf16 pays off on CPUs with native bf16 (AVX512-BF16 / AMX); elsewhere fp32 is faster.
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return torch.bfloat16 if name == "auto" else _DTYPES[name]
+    plan = cpu_plan.current()
+    if name == "auto":
+        # bf16 pays off only with native bf16 arithmetic (AVX512-BF16 / AMX); elsewhere fp32 is faster.
+        return torch.bfloat16 if torch.backends.mkldnn.is_available() and plan.native_bf16 else torch.float32
+    if name == "bfloat16" and not plan.native_bf16:
+        log.warning(
+            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: torch emulates bf16 matmuls here, "
+            "several times slower than float32 (dtype=auto picks float32 on this CPU)"
+        )
+    return _DTYPES[name]
 
 
 def _available_memory_bytes(device: torch.device) -> int:

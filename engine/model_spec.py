@@ -122,6 +122,12 @@ PRESETS: dict[str, ModelSpec] = {
     "tiny-llama-rope": dataclasses.replace(
         _TINY, arch="llama", rope_theta=500_000.0, rope_scaling=_LLAMA3_ROPE
     ),
+    # Gemma/Llama shapes of head_dim 256 with 8 query heads per KV head: the decode kernel's
+    # widest item (its wrong answers on AVX2 CPUs were invisible on the 64-dim presets).
+    "tiny-llama-d256": dataclasses.replace(
+        _TINY, arch="llama", num_layers=2, num_heads=16, num_kv_heads=2, head_dim=256,
+        rope_theta=500_000.0, tie_word_embeddings=False,
+    ),
     # ~152M parameters; for benchmarks.
     "small": ModelSpec(
         arch="llama",

@@ -113,7 +113,7 @@ def _filtered_logprobs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> SampleOutput:
     """logits: (batch, vocab) fp32; positions: (batch,) output index of the token drawn."""
-    on_cpu_kernels = logits.device.type == "cpu" and cpu_kernels.available()
+    on_cpu_kernels = logits.device.type == "cpu" and cpu_kernels.enabled("sampling")
     argmax = cpu_kernels.greedy_argmax if on_cpu_kernels else (lambda x: x.argmax(dim=-1))
     if sb.all_greedy:
         ids = argmax(logits)

@@ -26,6 +26,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def _kernel_level_params() -> list:
+    """Every CPU kernel level; those this CPU cannot execute are skipped (their instructions
+    would fault), the rest are built and run, capped builds included."""
+    from tandem.engine.cpu_plan import LEVELS, levels_supported, read_cpu_flags
+
+    runs = levels_supported(read_cpu_flags())
+    skip = pytest.mark.skip(reason="this CPU does not execute these instructions")
+    return [pytest.param(lv, marks=() if lv in runs else skip) for lv in LEVELS]
+
+
+@pytest.fixture(params=_kernel_level_params())
+def kernel_level(request: pytest.FixtureRequest) -> str:
+    """Runs the test with every kernel op on one level's build (cpu_kernels.forced)."""
+    from tandem.engine import cpu_kernels
+
+    with cpu_kernels.forced(request.param):
+        assert cpu_kernels.available(), f"{request.param} kernels failed to build: {cpu_kernels.unavailable_reason()}"
+        yield request.param
+
+
 @pytest.fixture(scope="session")
 def model_path():
     """model_path(preset) -> directory of a built-in model, built once and cached."""

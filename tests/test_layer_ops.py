@@ -15,9 +15,7 @@ from transformers import LlamaConfig
 from tandem.engine import cpu_kernels
 from tandem.engine.models.layers import RMSNorm, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}"
-)
+pytestmark = pytest.mark.usefixtures("kernel_level")  # every kernel level this CPU executes
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -105,4 +103,4 @@ def test_shape_checks():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cpu_kernels.rms_norm(torch.randn(2, 24), w, 1e-6)
     with pytest.raises(RuntimeError, match="gate_up"):
-        torch.ops.tandem_cpu.silu_and_mul(torch.empty(2, 32), torch.randn(2, 48))
+        cpu_kernels._ops().silu_and_mul(torch.empty(2, 32), torch.randn(2, 48))

@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from tandem.engine import cpu_plan
 from tandem.engine.config import RunnerConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.models.layers import can_pack_linears
@@ -91,7 +92,7 @@ def test_prefix_shared_between_requests(model_path, arch: str) -> None:
     _check_pool_whole(runner)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "tiny-llama-d256"])
 @pytest.mark.parametrize("layer_kernels", [True, False], ids=["fused-ops", "torch-ops"])
 def test_decode_logits_match_hf_for_64_steps(model_path, arch: str, layer_kernels: bool) -> None:
     path = model_path(arch)
@@ -115,10 +116,7 @@ def test_decode_logits_match_hf_for_64_steps(model_path, arch: str, layer_kernel
     _check_pool_whole(runner)
 
 
-@pytest.mark.parametrize("arch", ARCHS + ["tiny-llama-rope"])
-@pytest.mark.parametrize("page_size", [1, PAGE])
-def test_greedy_tokens_identical_to_hf_generate(model_path, arch: str, page_size: int) -> None:
-    path = model_path(arch)
+def _greedy_matches_hf(path, page_size: int) -> None:
     runner = _runner(path, page_size=page_size)
     prompts = _prompts(runner.vocab_size, [3, 8, 15, 16, 17, 33, 50, 77], seed=4)
     params = [SamplingParams(max_new_tokens=24, temperature=0.0) for _ in prompts]
@@ -131,13 +129,44 @@ def test_greedy_tokens_identical_to_hf_generate(model_path, arch: str, page_size
     _check_pool_whole(runner)
 
 
+@pytest.mark.parametrize("arch", [*ARCHS, "tiny-llama-rope", "tiny-llama-d256"])
+@pytest.mark.parametrize("page_size", [1, PAGE])
+def test_greedy_tokens_identical_to_hf_generate(model_path, arch: str, page_size: int) -> None:
+    _greedy_matches_hf(model_path(arch), page_size)
+
+
+@pytest.mark.parametrize("arch", ["tiny", "tiny-llama-d256"])
+def test_greedy_tokens_identical_at_every_kernel_level(model_path, kernel_level: str, arch: str) -> None:
+    """The whole model on each kernel build this CPU executes (every op on it), as a CPU of
+    that level would run it: AVX2 and plain-lane forms included."""
+    _greedy_matches_hf(model_path(arch), PAGE)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_close_to_hf_bf16(model_path, arch: str) -> None:
-    """bf16 tolerance: logits within 5% of the logit range, top-1 agreement on >= 90% of positions."""
-    path = model_path(arch)
+@pytest.mark.parametrize("cpu", ["this-cpu", "avx2-cpu"])
+def test_bf16_close_to_hf_bf16(model_path, monkeypatch, arch: str, cpu: str) -> None:
+    """bf16 tolerance: logits within 5% of the logit range, top-1 agreement on >= 90% of positions.
+    avx2-cpu: the plan of a CPU without AVX-512 (TANDEM_CPU_ISA=avx2): no oneDNN packing, the
+    AVX2 kernels, torch's emulated bf16 matmul; the path such a CPU takes, slow but exact to bf16."""
+    if cpu == "avx2-cpu":
+        if "avx2" not in cpu_plan.levels_supported(cpu_plan.read_cpu_flags()):
+            pytest.skip("this CPU does not execute AVX2")
+        monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
+        cpu_plan.reset()
+        try:
+            _check_bf16(model_path(arch))
+            assert not cpu_plan.current().pack_bf16_linears and cpu_plan.current().level == "avx2"
+        finally:
+            monkeypatch.delenv("TANDEM_CPU_ISA")
+            cpu_plan.reset()
+    else:
+        _check_bf16(model_path(arch))
+
+
+def _check_bf16(path) -> None:
     runner = _runner(path, dtype="bfloat16")
-    if can_pack_linears(runner.device, runner.dtype):  # the oneDNN-packed path, LM head included
-        assert runner.model.packed_head is not None
+    packed = can_pack_linears(runner.device, runner.dtype)
+    assert (runner.model.packed_head is not None) == packed  # the oneDNN-packed path, LM head included
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)
     seqs = sb.new(len(prompts))

@@ -52,11 +52,12 @@ def test_batch_mixes_greedy_and_sampled_rows() -> None:
 
 @pytest.fixture(params=["cpu-kernel", "torch"])
 def sampling_path(request, monkeypatch):
-    """Run a test through the fused CPU Gumbel-max kernel and through the torch ops."""
+    """Run a test through the fused CPU Gumbel-max kernel (at this CPU's level) and through the torch ops."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.available():
-        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+        monkeypatch.setattr(cpu_kernels, "enabled", lambda op: False)
+    else:
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+        monkeypatch.setattr(cpu_kernels, "enabled", lambda op: True)
     return request.param
 
 
@@ -110,7 +111,7 @@ def test_make_accepts_user_values() -> None:
     assert p.stop == ("###",) and p.stop_token_ids == (3, 4)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("batch,vocab", [(64, 8192), (7, 1000), (3, 17), (2, 151936)])
 def test_cpu_kernel_draws_the_torch_path_tokens(batch: int, vocab: int) -> None:
     """Same hash, same noise up to the rounding of two logs: the same argmax."""
@@ -132,7 +133,7 @@ def test_uniform_stays_below_one() -> None:
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("vocab", [1000, 8192, 151936])
 @pytest.mark.parametrize("filters", [
     {"top_p": 0.95}, {"top_p": 0.3}, {"top_k": 50}, {"top_k": 2}, {"min_p": 0.05},
@@ -150,7 +151,7 @@ def test_cpu_filter_bisection_keeps_the_sorted_sets(vocab: int, filters: dict) -
 
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("batch,vocab", [(64, 8192), (1, 151936), (3, 5), (4, 16), (4, 33)])
 def test_cpu_greedy_argmax_is_torch_argmax(batch: int, vocab: int) -> None:
     """First index of the maximum, ties and all -inf rows included."""

@@ -1,6 +1,6 @@
 """Attention on CPU (or any device): fused paged kernels on CPU, torch SDPA elsewhere.
 
-Extend, on CPU with the fused kernel (cpu_kernels.available()): one call per layer
+Extend, on CPU with the fused kernel (cpu_kernels.enabled("extend_attention")): one call per layer
 for every extend request, reading the cached prefix and the just-stored new K/V
 straight from the pool through req_to_token.
 
@@ -11,7 +11,7 @@ aligned to the bottom-right:
 
     q token j (position prefix+j) sees kv positions 0 .. prefix+j
 
-Decode, on CPU with the fused kernel (cpu_kernels.available()): one call per
+Decode, on CPU with the fused kernel (cpu_kernels.enabled("decode_attention")): one call per
 layer reads K/V straight from the pool through req_to_token; the metadata is
 just the decode requests' rows and seq_lens (views into the batch, no copy).
 
@@ -59,13 +59,14 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, runner_ctx: object) -> None:
         super().__init__(runner_ctx)
         ctx = self.ctx
-        # Decided once: the first call may compile the kernel (seconds, then cached on disk).
-        self.use_kernels = (
-            torch.device(ctx.device).type == "cpu"
-            and cpu_kernels.supports(ctx.head_dim, ctx.num_heads, ctx.num_kv_heads, ctx.kv_pool.dtype)
-            and cpu_kernels.available()
+        # Decided once: the first call may compile the kernel (seconds, then cached on disk),
+        # and the CPU plan may keep either phase on torch where its kernel form is slower.
+        shape_ok = torch.device(ctx.device).type == "cpu" and cpu_kernels.supports(
+            ctx.head_dim, ctx.num_heads, ctx.num_kv_heads, ctx.kv_pool.dtype
         )
-        self.use_amx = True  # bf16 extend products on AMX tiles where the CPU has them
+        self.use_extend_kernel = shape_ok and cpu_kernels.enabled("extend_attention")
+        self.use_decode_kernel = shape_ok and cpu_kernels.enabled("decode_attention")
+        self.use_amx = True  # bf16 extend products on AMX tiles where the build has them
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.ctx.req_to_token_pool.req_to_token
@@ -76,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
             prefix, seq = batch.prefix_lens_cpu[i], batch.seq_lens_cpu[i]
             n = seq - prefix
             item = _ExtendItem(start, start + n, None, None)
-            if prefix > 0 and not self.use_kernels:
+            if prefix > 0 and not self.use_extend_kernel:
                 item.kv_index = table[rows[i], :seq].to(torch.int64)
                 q_pos = torch.arange(prefix, seq, device=table.device)
                 item.mask = torch.arange(seq, device=table.device)[None, :] <= q_pos[:, None]
@@ -84,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += n
         n_dec = batch.batch_size - batch.num_extend_reqs
         meta = _Metadata(extends, start, n_dec)
-        if extends and self.use_kernels:
+        if extends and self.use_extend_kernel:
             n_ext = batch.num_extend_reqs
             i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
             meta.extend_kernel_args = (
@@ -93,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
                 i32(batch.extend_lens_cpu[:n_ext]),
                 i32([it.start for it in extends]),
             )
-        if n_dec and self.use_kernels:
+        if n_dec and self.use_decode_kernel:
             # views (no copy) when ForwardBatch.build made them: int64 rows, int32 lengths
             meta.decode_rows = rows[batch.num_extend_reqs :].to(torch.int64).contiguous()
             meta.decode_seq_lens = batch.seq_lens[batch.num_extend_reqs :].to(torch.int32).contiguous()

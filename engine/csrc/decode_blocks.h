@@ -30,7 +30,9 @@ inline void store_row(c10::BFloat16* dst, const float* src, int n, float mul) {
 
 // ---- scores of one query head against 16 K rows --------------------------------------
 // q: the head's query (fp32 lanes, or raw bf16 pairs for vdpbf16ps); rows[t]: K row pointers.
-// Returns lane t = q . K[t] (unscaled). Lanes >= n are garbage (they re-read row 0); callers mask them.
+// Returns lane t = q . K[t] (unscaled) for t < n, 1 <= n <= 16; the lanes >= n are garbage
+// (they re-read row 0, or stay 0) and callers mask them. A V16 has 16 lanes: n above 16
+// once overran it in the lane-array form (the head_dim-256 decode bug on AVX2 CPUs).
 #if defined(__AVX512F__)
 // lane t of the result = sum of all lanes of a[t]; 48 instructions instead of 16 horizontal sums
 inline V16 hsum16(const __m512 (&a)[16]) {
@@ -45,6 +47,14 @@ inline V16 hsum16(const __m512 (&a)[16]) {
   __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
   __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return {_mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// lane t of the result = sum of all lanes of a[t], t < 8: two hadd rounds leave rows 0-3
+// (and 4-7) summed within each 128-bit half; adding the halves finishes them.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 #endif
 
@@ -62,9 +72,18 @@ struct QRow {  // one query head, ready for dot products
       a[t] = s.v;
     }
     return hsum16(a);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 a[16];
+    for (int t = 0; t < 16; ++t) {
+      const scalar_t* k = rows[t < n ? t : 0];
+      V16 s = vmul(v[0], vload(k));
+      for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(k + 16 * i), s);
+      a[t] = _mm256_add_ps(s.lo, s.hi);
+    }
+    return {hsum8(a), hsum8(a + 8)};
 #else
     V16 r = vzero();
-    for (int t = 0; t < n; ++t) {
+    for (int t = 0, m = std::min(n, 16); t < m; ++t) {
       V16 s = vmul(v[0], vload(rows[t]));
       for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(rows[t] + 16 * i), s);
       r.v[t] = vsum(s);

@@ -16,6 +16,10 @@ void by_dtype(const at::Tensor& t, const char* op, const F& f) {
   TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", t.scalar_type());
 }
 
+inline bool supported_head_dim(int64_t dim) {
+  return dim == 32 || dim == 64 || dim == 96 || dim == 128 || dim == 256;
+}
+
 template <typename F>
 void by_head_dim(int64_t dim, const char* op, const F& f) {
   switch (dim) {

@@ -21,6 +21,8 @@ inline bool amx_usable() {
   return ok;
 }
 
+inline void tile_release() { _tile_release(); }
+
 inline void load_tile_config() {  // tile state is per thread, and oneDNN's matmuls reconfigure it
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -103,6 +105,7 @@ constexpr bool kHaveAmx = false;
 // Never called without AMX (kHaveAmx); declared so the kernel compiles everywhere.
 inline bool amx_usable() { return false; }
 inline void load_tile_config() {}
+inline void tile_release() {}
 template <int NV>
 void pack_kv_amx(const c10::BFloat16*, const c10::BFloat16*, int64_t, const int32_t*, int, std::vector<uint16_t>&,
                  std::vector<uint16_t>&) {}

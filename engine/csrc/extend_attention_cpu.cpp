@@ -32,7 +32,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "ops_library.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -172,7 +172,7 @@ void extend_item(const Problem& P, Scratch& W, int b, int h, int j0, int j1) {
       for (int c = 0; c < NV; ++c) vstore(dst + 16 * c, vmul(inv, vload(O + r * D + 16 * c)));
     }
   }
-  if constexpr (kAmx) _tile_release();
+  if constexpr (kAmx) tile_release();
 }
 
 template <typename scalar_t, int NV>
@@ -234,11 +234,11 @@ void paged_extend_attention(const at::Tensor& out, const at::Tensor& q, const at
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
   m.def(
       "paged_extend_attention(Tensor(a!) out, Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scale, "
       "bool use_amx) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_extend_attention", &paged_extend_attention); }
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("paged_extend_attention", &paged_extend_attention); }

@@ -20,7 +20,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "ops_library.h"
 
 #include <algorithm>
 #include <cmath>
@@ -234,7 +234,7 @@ void store_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
@@ -244,7 +244,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("store_kv(Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor loc, Tensor k, Tensor v) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

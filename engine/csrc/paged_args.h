@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "dispatch.h"
+
 namespace tandem_paged {
 struct PagedArgs {
   const void* q;
@@ -29,6 +31,11 @@ inline PagedArgs paged_args(const char* op, const at::Tensor& out, const at::Ten
   TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes(), op, ": k/v must be (slots, kv_heads, dim)");
   const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k_buffer.size(1);
   TORCH_CHECK(k_buffer.size(2) == dim, op, ": q and k head_dim differ");
+  // Every check comes before a pointer is read: a kernel instantiated for another head_dim
+  // must never see this shape.
+  TORCH_CHECK(tandem_dispatch::supported_head_dim(dim), op, ": unsupported head_dim ", dim);
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op,
+              ": float32 or bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= max_group, op, ": heads must be a multiple (<= ",
               max_group, "x) of kv_heads");
   TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() && v_buffer.scalar_type() == k_buffer.scalar_type() &&

@@ -27,7 +27,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "ops_library.h"
 
 #include <algorithm>
 #include <cmath>
@@ -126,7 +126,7 @@ void decode_item(const Problem& P, int b, int h0, int s) {
           prefetch_row(vbase + slot * P.kv_ss, HC * D, kHintNext);
         }
         // 1) scores, 16 tokens at a time; lanes >= n are garbage and masked below
-        for (int j = 0; j < n; j += 16) vstore(S + j, vmul(qrow[q].dot16(krows + j, n - j), scale));
+        for (int j = 0; j < n; j += 16) vstore(S + j, vmul(qrow[q].dot16(krows + j, std::min(16, n - j)), scale));
         // 2) online softmax: raise the running max, S <- exp(S - m), rescale l and acc
         V16 mx = vset1(kNegInf);
         for (int j = 0; j < n; j += 16) mx = vmax(mx, vload_n(S + j, std::min(16, n - j), kNegInf));
@@ -262,10 +262,10 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
 
 }  // namespace
 
-TORCH_LIBRARY(tandem_cpu, m) {
+TANDEM_LIBRARY(TANDEM_OPS, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_buffer, Tensor v_buffer, "
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale, int num_splits) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -25,7 +25,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "ops_library.h"
 
 #include <algorithm>
 #include <cmath>
@@ -276,14 +276,14 @@ at::Tensor gumbel_argmax(const at::Tensor& logits, const at::Tensor& inv_temp, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
   m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.def(
       "gumbel_argmax(Tensor logits, Tensor inv_temp, Tensor top_k, Tensor top_p, Tensor min_p, "
       "Tensor seeds, Tensor positions) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) {
   m.impl("greedy_argmax", &greedy_argmax);
   m.impl("gumbel_argmax", &gumbel_argmax);
 }

@@ -1,6 +1,12 @@
-// 16 fp32 lanes for the CPU kernels: AVX-512 when compiled for it (-march=native on a
-// CPU that has it), else a plain array the compiler may vectorise. Header-only, internal
-// linkage: each kernel source includes it inside its own anonymous namespace.
+// 16 fp32 lanes for the CPU kernels, in three forms chosen by the compile flags of the
+// build (engine/cpu_build.py builds one library per instruction-set level):
+//   __AVX512F__           one __m512
+//   __AVX2__ && __FMA__   two __m256 (lo = lanes 0-7, hi = lanes 8-15)
+//   otherwise             a plain float[16] the compiler may vectorise: no x86 intrinsic,
+//                         so this form builds on any CPU (aarch64 included)
+// Every form gives the same results up to the order of the horizontal sums.
+// Header-only, internal linkage: each kernel source includes it inside its own anonymous
+// namespace.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -11,7 +17,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -81,6 +87,104 @@ inline void vstore(c10::BFloat16* p, V16 a) {
 }
 inline V16 vround_bf16(V16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a), 16))}; }
 inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+  __m256 lo, hi;
+};
+// all-ones in the 32-bit lanes i < n (n may be <= 0 or >= 8)
+inline __m256i first8(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+template <typename F>
+inline V16 vmap2(V16 a, V16 b, const F& f) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8(const c10::BFloat16* p) {  // bf16 -> fp32 is the 16 bits shifted into the high half
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+inline V16 vload(const c10::BFloat16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline void vstore(float* p, V16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V16 vadd(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); }); }
+inline V16 vsub(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_sub_ps(x, y); }); }
+inline V16 vmul(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_mul_ps(x, y); }); }
+inline V16 vdiv(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_div_ps(x, y); }); }
+inline V16 vmax(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_max_ps(x, y); }); }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float vsum(V16 a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float vhmax(V16 a) {
+  const __m256 s = _mm256_max_ps(a.lo, a.hi);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+// first n lanes from p, the rest `fill` (masked loads never touch the masked-off lanes)
+inline V16 vload_n(const float* p, int n, float fill) {
+  const __m256i m0 = first8(n), m1 = first8(n - 8);
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, _mm256_maskload_ps(p, m0), _mm256_castsi256_ps(m0)),
+          _mm256_blendv_ps(f, _mm256_maskload_ps(p + 8, m1), _mm256_castsi256_ps(m1))};
+}
+inline void vstore_n(float* p, int n, V16 a) {
+  _mm256_maskstore_ps(p, first8(n), a.lo);
+  _mm256_maskstore_ps(p + 8, first8(n - 8), a.hi);
+}
+inline V16 vkeep_n(V16 a, int n) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(first8(n))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(first8(n - 8)))};
+}
+// The AVX-512 form's exp: same range reduction and polynomial. 2^n (|n| <= 145) is applied
+// as two exact power-of-two factors 2^(n>>1) * 2^(n-(n>>1)), each a normal float, so the
+// result rounds once, as scalef's does, and over/underflows where it does.
+inline __m256 exp8(__m256 x) {
+  const __m256 xv = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(100.0f)), _mm256_set1_ps(-100.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xv);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
+inline void prefetch(const void* p, int hint) {
+  if (hint == 3)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  else
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
+// round to bf16 (nearest even, NaN -> quiet NaN), as the 32-bit lanes' low halves
+inline __m256i bf16_bits8(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256 nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+}
+inline void vstore(c10::BFloat16* p, V16 a) {
+  // packus works per 128-bit lane: (lo0-3, hi0-3, lo4-7, hi4-7); the permute restores lane order
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(a.lo), bf16_bits8(a.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+inline V16 vround_bf16(V16 a) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.hi), 16))};
+}
 #else
 struct V16 {
   float v[16];

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine import cpu_kernels
+from tandem.engine import cpu_kernels, cpu_plan
 
 
 class RMSNorm(nn.Module):
@@ -163,7 +163,12 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN's bf16 reorder raises on a CPU without AVX512 BW/VL/DQ or AVX-NE-CONVERT:
+    the CPU plan says whether this one has them."""
+    return (
+        device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+        and cpu_plan.current().pack_bf16_linears
+    )
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         on = (
             enable
             and self.embed_tokens.weight.device.type == "cpu"
-            and cpu_kernels.available()
+            and cpu_kernels.enabled("layer_ops")
             and cpu_kernels.supports_layer_ops(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, dtype)
         )
         for mod in self.modules():
