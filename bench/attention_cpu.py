@@ -113,8 +113,8 @@ def main() -> None:
     for batch in args.batches:
         ctx, fb, q = _setup(batch, args.ctx, dtype, args.layout)
         fused, gather = TorchAttentionBackend(ctx), TorchAttentionBackend(ctx)
-        assert fused.use_kernels
-        gather.use_kernels = False
+        assert fused.use_decode_kernel
+        gather.use_decode_kernel = False
         # agreement check on layer 0 (also the warm-up)
         fused.init_forward_metadata(fb)
         a = fused._decode(q, 0, fb.attn_metadata)

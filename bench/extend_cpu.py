@@ -29,11 +29,11 @@ from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
 
-VARIANTS = ("amx", "fma", "sdpa")  # (use_kernels, use_amx) below
+VARIANTS = ("amx", "fma", "sdpa")  # (use_extend_kernel, use_amx) below
 
 
 def _set(backend: TorchAttentionBackend, variant: str) -> None:
-    backend.use_kernels, backend.use_amx = variant != "sdpa", variant == "amx"
+    backend.use_extend_kernel, backend.use_amx = variant != "sdpa", variant == "amx"
 
 
 def _attention_case(heads: int, kv_heads: int, prefix: int, extends: list[int]):

@@ -34,17 +34,17 @@ def _case(batch: int, vocab: int, rounds: int, filters: dict) -> dict:
     sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=i, **filters) for i in range(batch)],
                                    vocab, "cpu")
     pos = torch.arange(batch)
-    real_available = cpu_kernels.available
+    real_enabled = cpu_kernels.enabled
 
     def kernel() -> None:
         sample(logits, sb, pos)
 
     def torch_ops() -> None:
-        cpu_kernels.available = lambda: False
+        cpu_kernels.enabled = lambda op: False
         try:
             sample(logits, sb, pos)
         finally:
-            cpu_kernels.available = real_available
+            cpu_kernels.enabled = real_enabled
 
     kernel(), torch_ops()
     k_ms, t_ms = [], []

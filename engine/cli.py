@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 from typing import Any
 
@@ -36,6 +37,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any Engine option by its SGLang name, e.g. page_size=16 (repeatable)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="stderr log level (info shows the CPU plan and the model runner's sizing)")
     p.set_defaults(func=_generate)
 
 
@@ -52,6 +55,9 @@ def _parse_engine_args(pairs: list[str]) -> dict[str, Any]:
 
 def _generate(args: argparse.Namespace) -> int:
     from tandem.engine.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     prompts = args.prompt or ["def fibonacci(n):", "The scheduler batches requests"]
     sampling: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,

@@ -91,7 +91,7 @@ def enabled(op: str) -> bool:
 @contextlib.contextmanager
 def forced(level: str) -> Iterator[None]:
     """Every op on `level`'s build (which this CPU must execute) inside the block."""
-    if level not in cpu_plan.levels_supported(cpu_plan.read_cpu_flags()):
+    if level not in cpu_plan.levels_supported(cpu_plan.read_cpu_flags()):  # the CPU's own, uncapped
         raise ValueError(f"this CPU does not execute the {level} kernels")
     _forced.append(level)
     try:

@@ -45,8 +45,10 @@ REQUIRES = {
 }
 # Ops whose kernel form measured slower than torch's path at that level
 # (bench/cpu_forms.py, docs/benchmarks.md "CPU kernel forms"): torch runs them there.
+# The plain-lane form is a portability floor, 0.03-0.6x torch's own vectorised attention
+# and elementwise ops; its sampling still wins (~3x: no sort, no ten vocab-sized tensors).
 _TORCH_FASTER: dict[str, frozenset[str]] = {
-    "generic": frozenset(),
+    "generic": frozenset({"decode_attention", "extend_attention", "layer_ops"}),
     "avx2": frozenset(),
     "avx512": frozenset(),
     "avx512_bf16": frozenset(),
@@ -99,6 +101,13 @@ def levels_supported(flags: frozenset[str], machine: str | None = None) -> tuple
     if not is_x86(machine):
         return ("generic",)
     return tuple(lv for lv in LEVELS if REQUIRES[lv] <= flags)
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels this process may run: the CPU's, under the TANDEM_CPU_ISA cap."""
+    cap = os.environ.get("TANDEM_CPU_ISA") or None
+    flags = read_cpu_flags()
+    return levels_supported(cap_flags(flags, cap) if cap in LEVELS else flags)
 
 
 def cap_flags(flags: frozenset[str], cap: str) -> frozenset[str]:
