@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tandem.engine.config import RunnerConfig
+from tandem.worker_contract import EngineYaml
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "follow_bootstrap_room")
@@ -39,6 +40,7 @@ class EngineConfig:
     load_balance_method: str = "round_robin"
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
     max_context_len: int | None = None
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
     running_timeout: float | None = None  # seconds a request may run before it is aborted
@@ -81,6 +83,7 @@ class EngineConfig:
             max_total_tokens=self.max_total_tokens, mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
             attention_backend=self.attention_backend, disable_cuda_graph=self.disable_cuda_graph,
+            cuda_graph_max_bs=self.cuda_graph_max_bs,
         )
 
     @classmethod
@@ -90,3 +93,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine options: {sorted(unknown)}")
         return cls(**kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_engine_yaml(cls, text: str, **overrides: object) -> tuple[EngineConfig, EngineYaml]:
+        """The engine options of a worker-contract engine.yaml (what the operator mounts), with
+        command-line `overrides` on top; the contract's own keys come back beside them."""
+        doc = EngineYaml.parse(text)
+        if doc.tp_size != 1:
+            raise ValueError(f"tp_size={doc.tp_size}: tensor parallelism is not supported by this engine yet")
+        return cls.from_kwargs(**{**doc.engine_args, **overrides}), doc

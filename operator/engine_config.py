@@ -10,27 +10,21 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import yaml
-
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.spec import ServiceSpec
+from tandem.worker_contract import EngineYaml, KvTransfer
 
 CONFIG_HASH_ANNOTATION = "tandem.dev/engine-config-hash"
 
 
 def role_engine_yaml(svc: ServiceSpec, role: str) -> str:
-    spec = svc.role(role)
-    doc: dict[str, Any] = {
-        **svc.engine_args,
-        "tp_size": spec.tensor_parallel_size,
-        "kv_transfer": {
-            "backend": svc.kv.backend,
-            "port_base": svc.kv.port_base,
-            "port_count": svc.kv.port_count,
-        },
-    }
-    return yaml.safe_dump(doc, sort_keys=True)
+    """The role's engine.yaml, in the worker contract's schema (`tandem serve` parses it back)."""
+    return EngineYaml(
+        engine_args=dict(svc.engine_args),
+        tp_size=svc.role(role).tensor_parallel_size,
+        kv_transfer=KvTransfer(backend=svc.kv.backend, port_base=svc.kv.port_base, port_count=svc.kv.port_count),
+    ).render()
 
 
 def config_key(role: str) -> str:

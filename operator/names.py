@@ -1,10 +1,12 @@
-"""Names, labels and ports shared by every child manifest and by the worker contract.
+"""Names, labels and ports shared by every child manifest.
 
-The worker ports and paths here are the contract the `tandem serve` and `tandem router`
-servers implement; docs/operator.md lists them for the engine side.
+The worker ports and paths come from tandem.worker_contract, which `tandem serve`
+implements; docs/operator.md lists them for the engine side.
 """
 
 from __future__ import annotations
+
+from tandem import worker_contract as contract
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -22,19 +24,21 @@ APP_NAME = "tandem"
 # "<name>-internal-kv" is the longest) still fits a 63-character DNS label.
 MAX_NAME_LENGTH = 40
 
-HTTP_PORT = 8000
-BOOTSTRAP_PORT = 8998
-ENGINE_CONFIG_DIR = "/etc/tandem"
-ENGINE_CONFIG_FILE = "engine.yaml"
-MODEL_MOUNT = "/models"
+# The worker's side of these (ports, paths, roles) is tandem.worker_contract's: one place
+# knows how a worker is started, and the operator renders from it.
+HTTP_PORT = contract.HTTP_PORT
+BOOTSTRAP_PORT = contract.BOOTSTRAP_PORT
+ENGINE_CONFIG_DIR = contract.ENGINE_CONFIG_DIR
+ENGINE_CONFIG_FILE = contract.ENGINE_CONFIG_FILE
+MODEL_MOUNT = contract.MODEL_MOUNT
 
-HEALTH_PATH = "/health"
-READY_PATH = "/health/ready"
-METRICS_PATH = "/metrics"
-DRAIN_PATH = "/drain"
+HEALTH_PATH = contract.HEALTH_PATH
+READY_PATH = contract.READY_PATH
+METRICS_PATH = contract.METRICS_PATH
+DRAIN_PATH = contract.DRAIN_PATH
 
-PREFILL = "prefill"
-DECODE = "decode"
+PREFILL = contract.PREFILL
+DECODE = contract.DECODE
 ROUTER = "router"
 WORKER_ROLES = (PREFILL, DECODE)
 ROLES = (PREFILL, DECODE, ROUTER)

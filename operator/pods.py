@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.spec import ServiceSpec
@@ -21,10 +22,7 @@ def http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str,
 
 
 def downward_env() -> list[dict[str, Any]]:
-    fields = (
-        ("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"), ("POD_IP", "status.podIP"),
-    )
-    return [{"name": env, "valueFrom": {"fieldRef": {"fieldPath": path}}} for env, path in fields]
+    return contract.downward_env()
 
 
 def drain_command(timeout_s: int) -> list[str]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.engine_config import CONFIG_HASH_ANNOTATION, config_hash, config_key
-from tandem.operator.pods import deployment, downward_env, drain_command, http_probe, pod_spec
+from tandem.operator.pods import deployment, drain_command, http_probe, pod_spec
 from tandem.operator.spec import ServiceSpec
 from tandem.operator.spec_parts import GPU, RoleSpec
 
@@ -22,17 +23,11 @@ STARTUP_PROBE_PERIOD_S = 10
 
 
 def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
-    return [
-        "tandem", "serve",
-        "--role", spec.role,
-        "--model", svc.model.container_path,
-        "--served-model-name", svc.model.served_name,
-        "--host", "0.0.0.0",
-        "--port", str(names.HTTP_PORT),
-        "--bootstrap-port", str(names.BOOTSTRAP_PORT),
-        "--config", f"{names.ENGINE_CONFIG_DIR}/{names.ENGINE_CONFIG_FILE}",
-        *spec.extra_args,
-    ]
+    return contract.worker_argv(contract.WorkerArgs(
+        role=spec.role, model=svc.model.container_path, served_model_name=svc.model.served_name,
+        host="0.0.0.0", port=names.HTTP_PORT, bootstrap_port=names.BOOTSTRAP_PORT,
+        config=contract.ENGINE_CONFIG_PATH, extra=tuple(spec.extra_args),
+    ))
 
 
 def worker_resources(spec: RoleSpec) -> dict[str, Any]:
@@ -47,17 +42,8 @@ def worker_resources(spec: RoleSpec) -> dict[str, Any]:
 
 
 def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
-    env = downward_env() + [
-        {"name": "TANDEM_ROLE", "value": role},
-        {"name": "TANDEM_KV_BACKEND", "value": svc.kv.backend},
-        {"name": "TANDEM_KV_PORT_BASE", "value": str(svc.kv.port_base)},
-        {"name": "TANDEM_KV_PORT_COUNT", "value": str(svc.kv.port_count)},
-    ]
-    if svc.kv.transports:
-        env.append({"name": "UCX_TLS", "value": ",".join(svc.kv.transports)})
-    if svc.kv.devices:
-        env.append({"name": "UCX_NET_DEVICES", "value": ",".join(svc.kv.devices)})
-    return env
+    kv = contract.KvTransfer(backend=svc.kv.backend, port_base=svc.kv.port_base, port_count=svc.kv.port_count)
+    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices)
 
 
 def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:

@@ -1,0 +1,182 @@
+"""The worker contract: how every Tandem worker is started, in one place.
+
+The operator renders pods from it, `tandem serve` parses its command line and engine
+YAML with it, and `tandem up` and the tests start workers through it, so the three can
+never disagree on a flag, a port, a path or an env name. torch-free and kopf-free: the
+operator's and the router's images import it.
+
+    argv   tandem serve --role R --model DIR --served-model-name NAME --host H --port P
+                        [--bootstrap-port B] [--config engine.yaml] [engine flags, SGLang names]
+    env    POD_NAME, POD_NAMESPACE, POD_IP (downward API); TANDEM_ROLE, TANDEM_KV_BACKEND,
+           TANDEM_KV_PORT_BASE, TANDEM_KV_PORT_COUNT; UCX_TLS, UCX_NET_DEVICES when set
+    yaml   the engine's options under their SGLang names, plus the contract's own keys
+           tp_size and kv_transfer {backend, port_base, port_count}
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+# ---- ports and their names (the Service and NetworkPolicy refer to them by name) ----
+HTTP_PORT = 8000
+BOOTSTRAP_PORT = 8998
+PORT_NAMES = {"http": HTTP_PORT, "bootstrap": BOOTSTRAP_PORT}
+KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
+
+# ---- paths ----
+HEALTH_PATH = "/health"
+READY_PATH = "/health/ready"
+METRICS_PATH = "/metrics"
+DRAIN_PATH = "/drain"
+ENGINE_CONFIG_DIR = "/etc/tandem"
+ENGINE_CONFIG_FILE = "engine.yaml"
+ENGINE_CONFIG_PATH = f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}"
+MODEL_MOUNT = "/models"
+
+# ---- roles ----
+COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
+WORKER_ROLES = (COLOCATED, PREFILL, DECODE)
+
+# ---- env names ----
+ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_IP = "POD_NAME", "POD_NAMESPACE", "POD_IP"
+ENV_ROLE = "TANDEM_ROLE"
+ENV_KV_BACKEND = "TANDEM_KV_BACKEND"
+ENV_KV_PORT_BASE = "TANDEM_KV_PORT_BASE"
+ENV_KV_PORT_COUNT = "TANDEM_KV_PORT_COUNT"
+ENV_UCX_TLS, ENV_UCX_NET_DEVICES = "UCX_TLS", "UCX_NET_DEVICES"
+ENV_API_KEY = "TANDEM_API_KEY"
+DOWNWARD_ENV = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_POD_IP: "status.podIP"}
+
+KV_BACKENDS = ("nixl", "none")
+DEFAULT_KV_PORT_BASE, DEFAULT_KV_PORT_COUNT = 17000, 16
+_CONTRACT_KEYS = ("tp_size", "kv_transfer")
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    backend: str = "nixl"
+    port_base: int = DEFAULT_KV_PORT_BASE
+    port_count: int = DEFAULT_KV_PORT_COUNT
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_BACKENDS:
+            raise ValueError(f"kv_transfer.backend must be one of {KV_BACKENDS}, got {self.backend!r}")
+        if not (1024 <= self.port_base and self.port_count >= 1 and self.port_base + self.port_count <= 65536):
+            raise ValueError(f"kv_transfer ports {self.port_base}+{self.port_count} are outside 1024..65535")
+
+
+@dataclass(frozen=True)
+class EngineYaml:
+    """The text at ENGINE_CONFIG_PATH: engine options plus the contract's keys."""
+
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    tp_size: int = 1
+    kv_transfer: KvTransfer = KvTransfer()
+
+    def __post_init__(self) -> None:
+        clash = set(_CONTRACT_KEYS) & set(self.engine_args)
+        if clash:
+            raise ValueError(f"{sorted(clash)} are contract keys, not engine options")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+
+    def render(self) -> str:
+        doc = {**self.engine_args, "tp_size": self.tp_size, "kv_transfer": {
+            "backend": self.kv_transfer.backend,
+            "port_base": self.kv_transfer.port_base,
+            "port_count": self.kv_transfer.port_count,
+        }}
+        return yaml.safe_dump(doc, sort_keys=True)
+
+    @classmethod
+    def parse(cls, text: str) -> EngineYaml:
+        """The inverse of render(); a clear ValueError for a malformed file."""
+        doc = yaml.safe_load(text) or {}
+        if not isinstance(doc, dict):
+            raise ValueError("the engine YAML must be a mapping of option names to values")
+        kv = doc.pop("kv_transfer", None) or {}
+        if not isinstance(kv, dict) or set(kv) - {"backend", "port_base", "port_count"}:
+            raise ValueError(f"kv_transfer must map backend/port_base/port_count, got {kv!r}")
+        return cls(engine_args=doc, tp_size=doc.pop("tp_size", 1), kv_transfer=KvTransfer(**kv))
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """One worker's command line."""
+
+    role: str
+    model: str
+    served_model_name: str
+    host: str = "0.0.0.0"
+    port: int = HTTP_PORT
+    bootstrap_port: int = BOOTSTRAP_PORT
+    config: str | None = ENGINE_CONFIG_PATH
+    extra: tuple[str, ...] = ()  # engine flags under SGLang's names, passed through
+
+    def __post_init__(self) -> None:
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
+
+
+def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[str]:
+    argv = [*program, "serve", "--role", args.role, "--model", args.model,
+            "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
+            "--bootstrap-port", str(args.bootstrap_port)]
+    if args.config is not None:
+        argv += ["--config", args.config]
+    return [*argv, *args.extra]
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    """The `tandem serve` flags of the contract (the server adds nothing that contradicts them)."""
+    p.add_argument("--role", choices=WORKER_ROLES, default=COLOCATED)
+    p.add_argument("--model", required=True, help="model directory or built-in preset")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=HTTP_PORT)
+    p.add_argument("--bootstrap-port", type=int, default=BOOTSTRAP_PORT)
+    p.add_argument("--config", default=None, help="engine YAML (the operator mounts it at " + ENGINE_CONFIG_PATH + ")")
+
+
+def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
+    """The inverse of worker_argv (without the program and "serve")."""
+    p = argparse.ArgumentParser(prog="tandem serve", add_help=False)
+    add_worker_arguments(p)
+    ns, extra = p.parse_known_args(list(argv))
+    return WorkerArgs(role=ns.role, model=ns.model, served_model_name=ns.served_model_name or ns.model,
+                      host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port, config=ns.config,
+                      extra=tuple(extra))
+
+
+def downward_env() -> list[dict[str, Any]]:
+    """POD_NAME, POD_NAMESPACE and POD_IP from the downward API (workers and the router)."""
+    return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in DOWNWARD_ENV.items()]
+
+
+def worker_env(role: str, kv: KvTransfer, transports: Sequence[str] = (),
+               devices: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Container env entries (Kubernetes' name/value and name/valueFrom shapes)."""
+    env = downward_env() + [
+        {"name": ENV_ROLE, "value": role},
+        {"name": ENV_KV_BACKEND, "value": kv.backend},
+        {"name": ENV_KV_PORT_BASE, "value": str(kv.port_base)},
+        {"name": ENV_KV_PORT_COUNT, "value": str(kv.port_count)},
+    ]
+    if transports:
+        env.append({"name": ENV_UCX_TLS, "value": ",".join(transports)})
+    if devices:
+        env.append({"name": ENV_UCX_NET_DEVICES, "value": ",".join(devices)})
+    return env
+
+
+def kv_from_env(environ: Mapping[str, str]) -> KvTransfer | None:
+    """The KV port range the operator opened, from a worker's env (None when unset)."""
+    if ENV_KV_PORT_BASE not in environ:
+        return None
+    return KvTransfer(backend=environ.get(ENV_KV_BACKEND, "nixl"), port_base=int(environ[ENV_KV_PORT_BASE]),
+                      port_count=int(environ.get(ENV_KV_PORT_COUNT, DEFAULT_KV_PORT_COUNT)))

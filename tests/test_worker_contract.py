@@ -1,0 +1,95 @@
+"""The worker contract (tandem/worker_contract.py) between the operator and `tandem serve`.
+
+What the operator renders for every example InferenceService must parse back through the
+contract, and its engine.yaml must build the engine's config: the two sides cannot drift.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tandem import worker_contract as contract
+from tandem.engine.engine_config import EngineConfig
+
+sys.path.insert(0, str(Path(__file__).parent / "operator"))
+from operator_support import example_paths, load_example  # noqa: E402
+
+from tandem.operator.reconcile import reconcile  # noqa: E402
+
+
+def test_argv_round_trip() -> None:
+    args = contract.WorkerArgs(role="decode", model="/models/m", served_model_name="org/m", port=9000,
+                               bootstrap_port=9100, config="/tmp/e.yaml", extra=("--page-size", "16"))
+    argv = contract.worker_argv(args)
+    assert argv[:2] == ["tandem", "serve"]
+    assert contract.parse_worker_argv(argv[2:]) == args
+    minimal = contract.parse_worker_argv(["--model", "tiny"])
+    assert (minimal.role, minimal.served_model_name, minimal.config) == ("colocated", "tiny", None)
+    with pytest.raises(ValueError, match="role"):
+        contract.WorkerArgs(role="router", model="m", served_model_name="m")
+
+
+def test_engine_yaml_round_trip_and_errors() -> None:
+    doc = contract.EngineYaml({"page_size": 16, "schedule_policy": "lpm"}, tp_size=2,
+                              kv_transfer=contract.KvTransfer(port_base=20000, port_count=8))
+    assert contract.EngineYaml.parse(doc.render()) == doc
+    assert contract.EngineYaml.parse("") == contract.EngineYaml()
+    for bad, match in [("- 1\n- 2\n", "mapping"), ("kv_transfer: {speed: 3}\n", "kv_transfer"),
+                       ("tp_size: 0\n", "tp_size"), ("kv_transfer: {backend: tcp}\n", "backend"),
+                       ("kv_transfer: {port_base: 65530, port_count: 16}\n", "ports")]:
+        with pytest.raises(ValueError, match=match):
+            contract.EngineYaml.parse(bad)
+    with pytest.raises(ValueError, match="contract keys"):
+        contract.EngineYaml({"tp_size": 1})
+
+
+def test_kv_ports_from_env() -> None:
+    assert contract.kv_from_env({}) is None
+    env = {e["name"]: e["value"] for e in contract.worker_env("prefill", contract.KvTransfer(port_base=18000))
+           if "value" in e}
+    assert contract.kv_from_env(env) == contract.KvTransfer(port_base=18000)
+
+
+def _children(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in reconcile(load_example(path))}
+
+
+@pytest.mark.parametrize("path", example_paths(), ids=lambda p: p.stem)
+def test_operator_pods_speak_the_contract(path: Path) -> None:
+    """Every worker pod of every example: argv parses, env carries the contract's names,
+    and its engine.yaml builds an EngineConfig (unknown engine keys would raise here)."""
+    kids = _children(path)
+    configmap = next(c for (kind, _), c in kids.items() if kind == "ConfigMap")
+    for role in (contract.PREFILL, contract.DECODE):
+        dep = next(c for (kind, name), c in kids.items() if kind == "Deployment" and name.endswith(f"-{role}"))
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        args = contract.parse_worker_argv(container["command"][2:])
+        assert args.role == role and args.config == contract.ENGINE_CONFIG_PATH
+        assert args.model.startswith(contract.MODEL_MOUNT)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[contract.ENV_ROLE] == role and contract.ENV_POD_IP in env
+        kv = contract.kv_from_env({k: v for k, v in env.items() if v is not None})
+        text = configmap["data"][f"{role}.yaml"]
+        doc = contract.EngineYaml.parse(text)
+        assert doc.kv_transfer == kv
+        engine_args = {k: v for k, v in doc.engine_args.items()}
+        config = EngineConfig.from_kwargs(**engine_args)
+        assert config.page_size == engine_args.get("page_size", EngineConfig().page_size)
+        if doc.tp_size == 1:
+            assert EngineConfig.from_engine_yaml(text)[0] == config
+        else:
+            with pytest.raises(ValueError, match="tensor parallelism"):
+                EngineConfig.from_engine_yaml(text)
+
+
+def test_operator_yaml_is_plain_yaml() -> None:
+    """The ConfigMap text is what `tandem serve` reads: plain YAML, sorted keys."""
+    kids = _children(example_paths()[0])
+    configmap = next(c for (kind, _), c in kids.items() if kind == "ConfigMap")
+    for text in configmap["data"].values():
+        assert yaml.safe_load(text) == yaml.safe_load(contract.EngineYaml.parse(text).render())
