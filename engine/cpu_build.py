@@ -49,8 +49,8 @@ _LEVEL_FLAGS = {
 # checks, the dispatch) instead of the dynamic linker binding every library to the first
 # one loaded, which would run one level's instructions inside another.
 _COMMON = ["-O3", "-fopenmp", "-DNDEBUG", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
-OPS = ("paged_decode_attention", "paged_extend_attention", "rope_qk", "store_kv", "rms_norm",
-       "fused_add_rms_norm", "silu_and_mul", "gumbel_argmax", "greedy_argmax")
+REGISTERED_OPS = ("paged_decode_attention", "paged_extend_attention", "rope_qk", "store_kv", "rms_norm",
+                  "fused_add_rms_norm", "silu_and_mul", "gumbel_argmax", "greedy_argmax")
 
 _lock = threading.Lock()
 _built: dict[str, str | BaseException] = {}  # level -> op namespace, or the build's error
@@ -95,7 +95,7 @@ def _compile(level: str) -> str:
         verbose=False,
     )
     ns = getattr(torch.ops, namespace(level))
-    for op in OPS:
+    for op in REGISTERED_OPS:
         getattr(ns, op)  # raises if registration failed
     log.info("CPU kernels (%s) ready in %.1fs (%s)", level, time.perf_counter() - t0, out)
     return namespace(level)

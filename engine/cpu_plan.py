@@ -22,6 +22,7 @@ keeps every op on torch. torch-free: only the flags are read here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -61,10 +62,13 @@ _ONEDNN_BF16 = frozenset({"avx512bw", "avx512vl", "avx512dq"})
 class CpuPlan:
     level: str | None  # the kernel build, None: every op on torch
     ops: frozenset[str]  # ops that run the kernels
-    amx_extend: bool  # bf16 extend attention on AMX tiles
     pack_bf16_linears: bool  # oneDNN-packed bf16 weights
     native_bf16: bool  # dtype="auto" picks bfloat16
     why: str  # the CPU facts behind the choices, for the log line
+
+    @property
+    def amx_extend(self) -> bool:  # bf16 extend attention on AMX tiles
+        return self.level == "amx"
 
     def describe(self) -> str:
         if self.level is None:
@@ -85,8 +89,9 @@ def is_x86(machine: str | None = None) -> bool:
     return (machine or platform.machine()).lower() in ("x86_64", "amd64")
 
 
+@functools.cache
 def read_cpu_flags() -> frozenset[str]:
-    """The first processor's flags in /proc/cpuinfo (empty where there is none)."""
+    """The first processor's flags in /proc/cpuinfo (empty where there is none); read once."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -140,7 +145,6 @@ def plan_for(
     return CpuPlan(
         level=level,
         ops=frozenset(OPS) - _TORCH_FASTER[level] if level else frozenset(),
-        amx_extend=level == "amx",
         pack_bf16_linears=pack,
         native_bf16=native_bf16,
         why="; ".join(facts),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.spec import ServiceSpec
@@ -11,11 +12,8 @@ from tandem.operator.spec import ServiceSpec
 
 def headless_service(svc: ServiceSpec, role: str) -> dict[str, Any]:
     """Stable per-pod DNS for a worker role; the router discovers pods itself, this is for humans and NIXL."""
-    ports = [{"name": "http", "port": names.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
-    if role == names.PREFILL:
-        ports.append({"name": "bootstrap", "port": names.BOOTSTRAP_PORT, "targetPort": "bootstrap",
-                      "protocol": "TCP"})
-    ports.append({"name": "kv", "port": svc.kv.port_base, "targetPort": "kv", "protocol": "TCP"})
+    ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+             for name, port in contract.worker_ports(role, svc.kv.port_base)]
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -14,7 +14,7 @@ from tandem.operator.template import merge
 
 def http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": contract.HTTP_PORT_NAME},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,

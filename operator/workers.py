@@ -47,11 +47,8 @@ def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
 
 
 def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:
-    ports = [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}]
-    if role == names.PREFILL:
-        ports.append({"name": "bootstrap", "containerPort": names.BOOTSTRAP_PORT, "protocol": "TCP"})
-    ports.append({"name": "kv", "containerPort": svc.kv.port_base, "protocol": "TCP"})
-    return ports
+    return [{"name": name, "containerPort": port, "protocol": "TCP"}
+            for name, port in contract.worker_ports(role, svc.kv.port_base)]
 
 
 def worker_volumes(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ import yaml
 # ---- ports and their names (the Service and NetworkPolicy refer to them by name) ----
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
-PORT_NAMES = {"http": HTTP_PORT, "bootstrap": BOOTSTRAP_PORT}
+HTTP_PORT_NAME, BOOTSTRAP_PORT_NAME = "http", "bootstrap"
 KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
 
 # ---- paths ----
@@ -49,7 +49,6 @@ ENV_KV_BACKEND = "TANDEM_KV_BACKEND"
 ENV_KV_PORT_BASE = "TANDEM_KV_PORT_BASE"
 ENV_KV_PORT_COUNT = "TANDEM_KV_PORT_COUNT"
 ENV_UCX_TLS, ENV_UCX_NET_DEVICES = "UCX_TLS", "UCX_NET_DEVICES"
-ENV_API_KEY = "TANDEM_API_KEY"
 DOWNWARD_ENV = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_POD_IP: "status.podIP"}
 
 KV_BACKENDS = ("nixl", "none")
@@ -130,6 +129,14 @@ def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[
     if args.config is not None:
         argv += ["--config", args.config]
     return [*argv, *args.extra]
+
+
+def worker_ports(role: str, kv_port_base: int) -> list[tuple[str, int]]:
+    """(name, port) of each port a worker of `role` listens on: bootstrap on prefill only."""
+    ports = [(HTTP_PORT_NAME, HTTP_PORT)]
+    if role == PREFILL:
+        ports.append((BOOTSTRAP_PORT_NAME, BOOTSTRAP_PORT))
+    return [*ports, (KV_PORT_NAME, kv_port_base)]
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,21 @@ def kernel_level(request: pytest.FixtureRequest) -> str:
         yield request.param
 
 
+@pytest.fixture
+def plan_env(monkeypatch: pytest.MonkeyPatch):
+    """plan_env(NAME=value, ...) sets env vars and re-decides the CPU plan under them; the
+    env and the plan are back to the process's own after the test."""
+    from tandem.engine import cpu_plan
+
+    def set_env(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        cpu_plan.reset()
+
+    yield set_env
+    cpu_plan.reset()  # before monkeypatch restores the env: the next current() reads the restored one
+
+
 @pytest.fixture(scope="session")
 def model_path():
     """model_path(preset) -> directory of a built-in model, built once and cached."""

@@ -71,20 +71,13 @@ def test_bad_cap_and_disabled_kernels() -> None:
     assert plan.level is None and plan.ops == frozenset() and "kernels off" in plan.describe()
 
 
-def test_env_decides_the_process_plan(monkeypatch) -> None:
-    monkeypatch.setenv("TANDEM_CPU_ISA", "generic")
-    cpu_plan.reset()
-    try:
-        assert cpu_plan.current().level == "generic" and not cpu_plan.current().pack_bf16_linears
-        monkeypatch.setenv("TANDEM_DISABLE_CPU_KERNELS", "1")
-        cpu_plan.reset()
-        assert cpu_plan.current().level is None
-        assert not cpu_kernels.available() and "TANDEM_DISABLE_CPU_KERNELS" in cpu_kernels.unavailable_reason()
-        assert not any(cpu_kernels.enabled(op) for op in OPS)
-    finally:
-        monkeypatch.delenv("TANDEM_CPU_ISA")
-        monkeypatch.delenv("TANDEM_DISABLE_CPU_KERNELS")
-        cpu_plan.reset()
+def test_env_decides_the_process_plan(plan_env) -> None:
+    plan_env(TANDEM_CPU_ISA="generic")
+    assert cpu_plan.current().level == "generic" and not cpu_plan.current().pack_bf16_linears
+    plan_env(TANDEM_DISABLE_CPU_KERNELS="1")
+    assert cpu_plan.current().level is None
+    assert not cpu_kernels.available() and "TANDEM_DISABLE_CPU_KERNELS" in cpu_kernels.unavailable_reason()
+    assert not any(cpu_kernels.enabled(op) for op in OPS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

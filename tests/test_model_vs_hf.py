@@ -144,23 +144,16 @@ def test_greedy_tokens_identical_at_every_kernel_level(model_path, kernel_level:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cpu", ["this-cpu", "avx2-cpu"])
-def test_bf16_close_to_hf_bf16(model_path, monkeypatch, arch: str, cpu: str) -> None:
+def test_bf16_close_to_hf_bf16(model_path, plan_env, arch: str, cpu: str) -> None:
     """bf16 tolerance: logits within 5% of the logit range, top-1 agreement on >= 90% of positions.
     avx2-cpu: the plan of a CPU without AVX-512 (TANDEM_CPU_ISA=avx2): no oneDNN packing, the
     AVX2 kernels, torch's emulated bf16 matmul; the path such a CPU takes, slow but exact to bf16."""
     if cpu == "avx2-cpu":
         if "avx2" not in cpu_plan.levels_supported(cpu_plan.read_cpu_flags()):
             pytest.skip("this CPU does not execute AVX2")
-        monkeypatch.setenv("TANDEM_CPU_ISA", "avx2")
-        cpu_plan.reset()
-        try:
-            _check_bf16(model_path(arch))
-            assert not cpu_plan.current().pack_bf16_linears and cpu_plan.current().level == "avx2"
-        finally:
-            monkeypatch.delenv("TANDEM_CPU_ISA")
-            cpu_plan.reset()
-    else:
-        _check_bf16(model_path(arch))
+        plan_env(TANDEM_CPU_ISA="avx2")
+        assert not cpu_plan.current().pack_bf16_linears and cpu_plan.current().level == "avx2"
+    _check_bf16(model_path(arch))
 
 
 def _check_bf16(path) -> None:

@@ -62,32 +62,26 @@ template <typename scalar_t, int NV>
 struct QRow {  // one query head, ready for dot products
   V16 v[NV];
   void load(const scalar_t* p) { for (int i = 0; i < NV; ++i) v[i] = vload(p + 16 * i); }
+  V16 lanes(const scalar_t* k) const {  // q * K row, summed over the NV chunks (not yet over lanes)
+    V16 s = vmul(v[0], vload(k));
+    for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(k + 16 * i), s);
+    return s;
+  }
   V16 dot16(const scalar_t* const* rows, int n) const {
 #if defined(__AVX512F__)
     __m512 a[16];
-    for (int t = 0; t < 16; ++t) {
-      const scalar_t* k = rows[t < n ? t : 0];
-      V16 s = vmul(v[0], vload(k));
-      for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(k + 16 * i), s);
-      a[t] = s.v;
-    }
+    for (int t = 0; t < 16; ++t) a[t] = lanes(rows[t < n ? t : 0]).v;
     return hsum16(a);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 a[16];
     for (int t = 0; t < 16; ++t) {
-      const scalar_t* k = rows[t < n ? t : 0];
-      V16 s = vmul(v[0], vload(k));
-      for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(k + 16 * i), s);
+      const V16 s = lanes(rows[t < n ? t : 0]);
       a[t] = _mm256_add_ps(s.lo, s.hi);
     }
     return {hsum8(a), hsum8(a + 8)};
 #else
     V16 r = vzero();
-    for (int t = 0, m = std::min(n, 16); t < m; ++t) {
-      V16 s = vmul(v[0], vload(rows[t]));
-      for (int i = 1; i < NV; ++i) s = vfma(v[i], vload(rows[t] + 16 * i), s);
-      r.v[t] = vsum(s);
-    }
+    for (int t = 0, m = std::min(n, 16); t < m; ++t) r.v[t] = vsum(lanes(rows[t]));
     return r;
 #endif
   }

@@ -51,30 +51,10 @@ inline V16 vload_n(const float* p, int n, float fill) {
 }
 inline void vstore_n(float* p, int n, V16 a) { _mm512_mask_storeu_ps(p, first(n), a.v); }
 inline V16 vkeep_n(V16 a, int n) { return {_mm512_maskz_mov_ps(first(n), a.v)}; }
-// exp with Cephes' expf polynomial (~1 ulp on the reduced range); overflows to +inf above ~88.7
-// (as expf does: silu needs exp(-x) -> inf, i.e. silu(-100) = -0) and flushes to 0 below -100.
-inline V16 vexp(V16 x) {
-  __m512 xv = _mm512_max_ps(_mm512_min_ps(x.v, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-100.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xv);  // x - n*ln2, in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return {_mm512_scalef_ps(p, n)};  // p * 2^n
-}
-// hint 3 = all cache levels (T0), 2 = L2 and below (T1)
-inline void prefetch(const void* p, int hint) {
-  if (hint == 3)
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-  else
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-}
+inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline V16 vfnmadd(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline V16 vround_int(V16 a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline V16 vscale2(V16 p, V16 n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n, rounded once
 // round to bf16 (nearest even, NaN -> quiet NaN) and back: the value torch's bf16 ops store
 inline __m512i bf16_bits(V16 a) {
   const __m512i u = _mm512_castps_si512(a.v);
@@ -139,35 +119,23 @@ inline void vstore_n(float* p, int n, V16 a) {
 inline V16 vkeep_n(V16 a, int n) {
   return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(first8(n))), _mm256_and_ps(a.hi, _mm256_castsi256_ps(first8(n - 8)))};
 }
-// The AVX-512 form's exp: same range reduction and polynomial. 2^n (|n| <= 145) is applied
-// as two exact power-of-two factors 2^(n>>1) * 2^(n-(n>>1)), each a normal float, so the
-// result rounds once, as scalef's does, and over/underflows where it does.
-inline __m256 exp8(__m256 x) {
-  const __m256 xv = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(100.0f)), _mm256_set1_ps(-100.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xv, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xv);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+inline V16 vmin(V16 a, V16 b) { return vmap2(a, b, [](__m256 x, __m256 y) { return _mm256_min_ps(x, y); }); }
+inline V16 vfnmadd(V16 a, V16 b, V16 c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vround_int(V16 a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+// p * 2^n for integral n, |n| <= 145 (vexp's range): two exact power-of-two factors
+// 2^(n>>1) * 2^(n-(n>>1)), each a normal float, so the result rounds once, as AVX-512's
+// scalef does, and over/underflows where it does.
+inline __m256 scale2_8(__m256 p, __m256 n) {
   const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
   const __m256i bias = _mm256_set1_epi32(127);
   const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
   const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
 }
-inline V16 vexp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
-inline void prefetch(const void* p, int hint) {
-  if (hint == 3)
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-  else
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-}
+inline V16 vscale2(V16 p, V16 n) { return {scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)}; }
 // round to bf16 (nearest even, NaN -> quiet NaN), as the 32-bit lanes' low halves
 inline __m256i bf16_bits8(__m256 a) {
   const __m256i u = _mm256_castps_si256(a);
@@ -184,6 +152,30 @@ inline void vstore(c10::BFloat16* p, V16 a) {
 inline V16 vround_bf16(V16 a) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.lo), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.hi), 16))};
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// hint 3 = all cache levels (T0), 2 = L2 and below (T1)
+inline void prefetch(const void* p, int hint) {
+  if (hint == 3)
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  else
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+}
+// exp with Cephes' expf polynomial (~1 ulp on the reduced range), one definition for both
+// SIMD forms: overflows to +inf above ~88.7 (as expf does: silu needs exp(-x) -> inf, i.e.
+// silu(-100) = -0) and flushes to 0 below -100.
+inline V16 vexp(V16 x) {
+  const V16 xv = vmax(vmin(x, vset1(100.0f)), vset1(-100.0f));
+  const V16 n = vround_int(vmul(xv, vset1(1.44269504088896341f)));
+  V16 r = vfnmadd(n, vset1(0.693359375f), xv);  // x - n*ln2, in two parts
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  V16 p = vset1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = vfma(p, r, vset1(c));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vscale2(p, n);
 }
 #else
 struct V16 {
