@@ -58,3 +58,35 @@ def find_stop(text: str, delta_len: int, stops: tuple[str, ...]) -> tuple[int, s
 def stream_holdback(stops: tuple[str, ...]) -> int:
     """Characters to hold back while streaming: they may begin a stop string."""
     return max((len(s) - 1 for s in stops), default=0)
+
+
+class TextStream:
+    """A request's text as its tokens arrive, cut at the first stop string.
+
+    `feed` returns the text safe to send now: while streaming, the last
+    stream_holdback(stops) characters may begin a stop string and are held back
+    until they cannot; at the end (or at a stop) everything before the stop goes out."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = stops
+        self.hold = stream_holdback(stops)
+        self.sent = 0
+        self.stopped = False  # a stop string was found: nothing more will be sent
+
+    def feed(self, token_ids: list[int], finished: bool) -> str:
+        if self.stopped:
+            return ""
+        delta = self.detok.step(token_ids)
+        text = self.detok.text
+        hit = find_stop(text, len(delta), self.stops) if self.stops and delta else None
+        if hit is not None:
+            text, self.stopped = text[: hit[0]], True
+        end = len(text) if finished or self.stopped else max(len(text) - self.hold, self.sent)
+        out, self.sent = text[self.sent : end], end
+        return out
+
+    @property
+    def text(self) -> str:
+        """Everything sent so far."""
+        return self.detok.text[: self.sent]

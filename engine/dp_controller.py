@@ -1,6 +1,6 @@
 """DataParallelController: dp_size scheduler processes behind one dispatcher.
 
-    Engine --GenerateReqInput--> controller --zmq PUSH--> scheduler rank r
+    Engine --GenerateReq--> controller --zmq PUSH--> scheduler rank r
     Engine <--ReqOutput-------- controller <--zmq PULL-- all ranks
 
 load_balance_method:
@@ -10,14 +10,14 @@ load_balance_method:
     follow_bootstrap_room  rank = bootstrap_room mod dp_size (PD: the same room lands
                            on the same rank on both sides)
 
-The counts are the controller's own bookkeeping of what it dispatched and saw
+The HTTP server runs its schedulers this way even for dp_size 1, so no model work
+shares the front's process. The counts are the controller's own bookkeeping of what it dispatched and saw
 finish, so dispatch never waits on a round trip to the ranks.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import tempfile
 import threading
 from collections.abc import Callable
@@ -26,16 +26,18 @@ from typing import Any
 import zmq
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.io_struct import (
+from tandem.engine.launch import run_scheduler_process
+from tandem.protocol.messages import (
     AbortReq,
-    AdminResult,
-    FlushCacheReq,
-    GenerateReqInput,
+    GenerateReq,
     ReqOutput,
     ShutdownReq,
     decode,
+    dispatch,
     encode,
+    is_admin,
 )
+from tandem.worker_contract import COLOCATED
 
 
 class DPBudget:
@@ -45,7 +47,7 @@ class DPBudget:
         self.total_tokens = [0] * dp_size
         self._rr = 0
 
-    def dispatch(self, method: str, msg: GenerateReqInput) -> int:
+    def dispatch(self, method: str, msg: GenerateReq) -> int:
         if method == "follow_bootstrap_room":
             if msg.bootstrap_room is None:
                 raise ValueError("follow_bootstrap_room needs a bootstrap_room on every request")
@@ -67,43 +69,9 @@ class DPBudget:
         self.total_tokens[rank] -= tokens
 
 
-def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str) -> None:
-    """Entry point of one DP rank: a Scheduler fed over zmq."""
-    import queue
-
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.dp_size))
-    from transformers import AutoTokenizer
-
-    from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.scheduler import Scheduler
-
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(in_addr)
-    push.connect(out_addr)
-    inbox: queue.Queue = queue.Queue()
-    tok = AutoTokenizer.from_pretrained(model_path)
-    runner = ModelRunner(model_path, config.runner_config())
-    emit = lambda outs: push.send_multipart([encode(o) for o in outs])  # noqa: E731
-    sched = Scheduler(config, runner, inbox, emit, lambda: tok, dp_rank=rank)
-
-    def pump() -> None:
-        while True:
-            msg = decode(pull.recv())
-            inbox.put(msg)
-            if isinstance(msg, ShutdownReq):
-                return
-
-    threading.Thread(target=pump, daemon=True).start()
-    push.send_multipart([encode(AdminResult(f"ready-{rank}", True))])
-    sched.run()
-    push.close(linger=1000)
-
-
 class DataParallelController:
-    def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None]) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None],
+                 role: str = COLOCATED, threads: int | None = None, ready_timeout: float = 600.0) -> None:
         self.config = config
         self.emit = emit
         self.budget = DPBudget(config.dp_size)
@@ -125,15 +93,44 @@ class DataParallelController:
             s.bind(addr)
             self.pushes.append(s)
             p = spawn.Process(
-                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr), daemon=True
+                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr, role, threads),
+                daemon=True,
             )
             p.start()
             self.procs.append(p)
-        for _ in range(config.dp_size):  # wait until every rank has its model loaded
-            decode(self.pull.recv_multipart()[0])
+        self.info = self._wait_ready(ready_timeout)
+        self._routes = {GenerateReq: self._send_generate, AbortReq: self._send_abort}
         self._stopping = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Every rank's ready message (its model loaded); raises if one fails or dies."""
+        infos: dict[int, dict[str, Any]] = {}
+        waited = 0.0
+        while len(infos) < self.config.dp_size:
+            if not self.pull.poll(500):
+                waited += 0.5
+                dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or waited > timeout:
+                    self._kill()
+                    raise RuntimeError(f"scheduler rank(s) {dead} exited while loading" if dead
+                                       else f"schedulers not ready after {timeout:.0f} s")
+                continue
+            ready = decode(self.pull.recv_multipart()[0])
+            if not ready.ok:
+                self._kill()
+                raise RuntimeError(f"scheduler {ready.rid} failed to start: {ready.info.get('error')}")
+            infos[int(ready.rid.rsplit("-", 1)[1])] = ready.info
+        return infos[0]
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        self.pull.close(linger=0)
+        for s in self.pushes:
+            s.close(linger=0)
 
     def _read(self) -> None:
         # Polls with a timeout so shutdown can stop it: zmq sockets must not be closed
@@ -155,21 +152,26 @@ class DataParallelController:
             self.emit(outs)
 
     def send(self, msg: Any) -> None:
-        if isinstance(msg, GenerateReqInput):
-            tokens = len(msg.input_ids) + int(msg.sampling.get("max_new_tokens", 128))
-            with self._lock:
-                rank = self.budget.dispatch(self.config.load_balance_method, msg)
-                self.budget.add(rank, tokens)
-                self.owner[msg.rid] = (rank, tokens)
-            self.pushes[rank].send(encode(msg))
-        elif isinstance(msg, AbortReq):
-            with self._lock:
-                rank = self.owner.get(msg.rid, (None, 0))[0]
-            for i, s in enumerate(self.pushes):
-                if rank is None or i == rank:
-                    s.send(encode(msg))
-        elif isinstance(msg, (FlushCacheReq, ShutdownReq)):
+        """Admin commands go to every rank (each answers); requests follow the route table."""
+        if is_admin(msg):
             for s in self.pushes:
+                s.send(encode(msg))
+        else:
+            dispatch(msg, self._routes)
+
+    def _send_generate(self, msg: GenerateReq) -> None:
+        tokens = len(msg.input_ids) + int(msg.sampling.get("max_new_tokens", 128))
+        with self._lock:
+            rank = self.budget.dispatch(self.config.load_balance_method, msg)
+            self.budget.add(rank, tokens)
+            self.owner[msg.rid] = (rank, tokens)
+        self.pushes[rank].send(encode(msg))
+
+    def _send_abort(self, msg: AbortReq) -> None:
+        with self._lock:
+            rank = self.owner.get(msg.rid, (None, 0))[0]
+        for i, s in enumerate(self.pushes):
+            if rank is None or i == rank:
                 s.send(encode(msg))
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 It runs the same Scheduler the servers run: in a background thread of this
 process for dp_size 1, or in dp_size scheduler processes behind the DP
-controller. Requests go in as GenerateReqInput; ReqOutput deltas come back and
+controller. Requests go in as GenerateReq; ReqOutput deltas come back and
 are routed to per-request queues, which `generate` drains and
 `generate_stream` yields from.
 """
@@ -17,16 +17,10 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop, stream_holdback
+from tandem.engine.detokenizer import TextStream
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.io_struct import (
-    AbortReq,
-    AdminResult,
-    FlushCacheReq,
-    GenerateReqInput,
-    ReqOutput,
-    ShutdownReq,
-)
+from tandem.engine.launch import InProcessScheduler, SchedulerClient
+from tandem.protocol.messages import AbortReq, AdminResult, FlushCacheReq, GenerateReq, ReqOutput
 
 Prompt = str | list[int]
 
@@ -46,15 +40,16 @@ class Engine:
         if self.config.dp_size > 1:
             from tandem.engine.dp_controller import DataParallelController
 
-            self._backend: Any = DataParallelController(self.config, str(self.model_path), self._on_outputs)
+            self._backend: SchedulerClient = DataParallelController(
+                self.config, str(self.model_path), self._on_outputs)
         else:
-            self._backend = _InProcessScheduler(self.config, str(self.model_path), self.tokenizer, self._on_outputs)
+            self._backend = InProcessScheduler(self.config, str(self.model_path), self._on_outputs)
         atexit.register(self.shutdown)
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _on_outputs(self, outs: list[Any]) -> None:
         with self._lock:  # once per batch of outputs, not per request
-            routes = [(self._routes.get(o.rid if isinstance(o, ReqOutput) else o.request_id), o) for o in outs]
+            routes = [(self._routes.get(o.rid), o) for o in outs]
         for q, o in routes:
             if q is not None:
                 q.put(o)
@@ -67,7 +62,7 @@ class Engine:
         q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             self._routes[rid] = q
-        self._backend.send(GenerateReqInput(rid, ids, dict(params), priority))
+        self._backend.send(GenerateReq(rid, ids, dict(params), priority))
         return rid, q, ids
 
     def _get(self, q: queue.SimpleQueue, timeout: float | None = None) -> Any:
@@ -130,24 +125,16 @@ class Engine:
         """Yield {"text": delta, "token_ids": new ids, "finished", "finish_reason"} as tokens arrive.
         Text that could begin a stop string is held back until it cannot."""
         sp = sampling_params or {}
-        stops = tuple([sp["stop"]] if isinstance(sp.get("stop"), str) else sp.get("stop") or ())
-        hold = stream_holdback(stops)
+        stream = TextStream(self.tokenizer, tuple([sp["stop"]] if isinstance(sp.get("stop"), str)
+                                                  else sp.get("stop") or ()))
         rid, q, _ = self._submit(prompt, sp)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        sent, finished = 0, False
+        finished = False
         try:
             while not finished:
                 out: ReqOutput = self._get(q)
                 finished = out.finished
-                detok.step(out.token_ids)
-                text = detok.text
-                hit = find_stop(text, len(text), stops) if stops else None
-                if hit is not None:
-                    text = text[: hit[0]]
-                end = len(text) if finished or hit else max(len(text) - hold, sent)
-                yield {"text": text[sent:end], "token_ids": out.token_ids, "finished": finished,
-                       "finish_reason": (out.finish_reason or {}).get("kind")}
-                sent = end
+                yield {"text": stream.feed(out.token_ids, finished), "token_ids": out.token_ids,
+                       "finished": finished, "finish_reason": (out.finish_reason or {}).get("kind")}
         finally:
             if not finished:  # the consumer stopped early: free the request's KV now
                 self.abort(rid)
@@ -175,33 +162,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-class _InProcessScheduler:
-    """dp_size == 1: the scheduler loop on a thread of this process."""
-
-    def __init__(self, config: EngineConfig, model_path: str, tokenizer: Any, emit: Any) -> None:
-        from tandem.engine.model_runner import ModelRunner
-        from tandem.engine.scheduler import Scheduler
-
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        runner = ModelRunner(model_path, config.runner_config())
-        self.scheduler = Scheduler(config, runner, self.inbox, emit, lambda: tokenizer)
-        self.thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.scheduler.run()
-        except BaseException as exc:  # surfaced to callers by Engine._get
-            self.error = exc
-            raise
-
-    def send(self, msg: Any) -> None:
-        self.inbox.put(msg)
-
-    def shutdown(self) -> None:
-        if self.thread.is_alive():
-            self.inbox.put(ShutdownReq())
-            self.thread.join(timeout=30)

@@ -1,7 +1,9 @@
 """Per-step scheduler metrics: TTFT, TPOT, queue depth, running requests, KV
 utilisation, cache hits, and the device idle gap between consecutive forwards.
 
-Plain numbers here; the servers export them with prometheus-client.
+Plain numbers of constant size (a server runs for weeks): latencies keep a count
+and a sum here, and the HTTP front observes the per-request latencies into its
+prometheus-client histograms (tandem/metric_names.py).
 """
 
 from __future__ import annotations
@@ -12,9 +14,23 @@ from typing import Any
 
 
 @dataclass
+class Mean:
+    count: int = 0
+    total: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.total += x
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+@dataclass
 class SchedulerMetrics:
-    ttft: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)
+    ttft: Mean = field(default_factory=Mean)
+    tpot: Mean = field(default_factory=Mean)
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
     input_tokens: int = 0
@@ -65,9 +81,9 @@ class SchedulerMetrics:
     def on_finish(self, req: Any) -> None:
         self.generated_tokens += len(req.output_ids)
         if req.first_token_time is not None:
-            self.ttft.append(req.first_token_time - req.arrival_time)
+            self.ttft.add(req.first_token_time - req.arrival_time)
             if len(req.output_ids) > 1 and req.last_token_time is not None:
-                self.tpot.append((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1))
+                self.tpot.add((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1))
 
     def on_step(self, num_waiting: int, num_running: int, kv_usage: float) -> None:
         self.num_waiting, self.num_running, self.kv_usage = num_waiting, num_running, kv_usage
@@ -98,8 +114,8 @@ class SchedulerMetrics:
 
     def snapshot(self) -> dict[str, float]:
         return {
-            "ttft_mean": sum(self.ttft) / len(self.ttft) if self.ttft else 0.0,
-            "tpot_mean": sum(self.tpot) / len(self.tpot) if self.tpot else 0.0,
+            "ttft_mean": self.ttft.value,
+            "tpot_mean": self.tpot.value,
             "prefill_batches": self.num_prefill_batches,
             "decode_batches": self.num_decode_batches,
             "cache_hit_rate": self.cache_hit_rate,

@@ -14,10 +14,10 @@ from typing import Any
 
 from tandem.engine.cache_manager import CacheManager
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
-from tandem.engine.io_struct import ReqOutput
 from tandem.engine.model_worker import GenerationBatchResult
 from tandem.engine.req import FinishReason, Req, ReqStatus, finish_length
 from tandem.engine.schedule_batch import ScheduleBatch
+from tandem.protocol.messages import ReqOutput
 
 
 class OutputProcessor:

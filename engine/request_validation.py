@@ -1,12 +1,12 @@
-"""Turn a GenerateReqInput into a Req, or into a clear error output."""
+"""Turn a GenerateReq into a Req, or into a clear error output."""
 
 from __future__ import annotations
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.io_struct import GenerateReqInput, ReqOutput
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.req import Req
 from tandem.engine.sampling_params import SamplingParams
+from tandem.protocol.messages import GenerateReq, ReqOutput
 
 
 def _error(rid: str, message: str, prompt_tokens: int) -> ReqOutput:
@@ -16,7 +16,7 @@ def _error(rid: str, message: str, prompt_tokens: int) -> ReqOutput:
     )
 
 
-def build_req(msg: GenerateReqInput, runner: ModelRunner, config: EngineConfig) -> tuple[Req | None, ReqOutput | None]:
+def build_req(msg: GenerateReq, runner: ModelRunner, config: EngineConfig) -> tuple[Req | None, ReqOutput | None]:
     n = len(msg.input_ids)
     try:
         params = SamplingParams.make(**msg.sampling)

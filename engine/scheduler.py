@@ -25,14 +25,6 @@ from tandem.engine.decode_manager import DecodeManager
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.future_map import FutureMap
-from tandem.engine.io_struct import (
-    AbortReq,
-    AdminResult,
-    FlushCacheReq,
-    GenerateReqInput,
-    ReqOutput,
-    ShutdownReq,
-)
 from tandem.engine.metrics import SchedulerMetrics
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
@@ -43,6 +35,17 @@ from tandem.engine.req import Req, finish_abort
 from tandem.engine.request_validation import build_req
 from tandem.engine.schedule_batch import ScheduleBatch
 from tandem.engine.schedule_policy import SchedulePolicy
+from tandem.protocol.messages import (
+    AbortReq,
+    AdminResult,
+    FlushCacheReq,
+    GenerateReq,
+    ReqOutput,
+    ShutdownReq,
+    StatusReq,
+    dispatch,
+    is_admin,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,8 @@ class Scheduler:
         self.running = True
         self._idle_checked = False
         self.reqs: dict[str, Req] = {}
+        self.request_handlers = {GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
+        self.admin_handlers = {FlushCacheReq: self.flush_cache, StatusReq: self.status, ShutdownReq: self.shutdown}
 
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
@@ -93,19 +98,23 @@ class Scheduler:
 
     def process_input_requests(self, msgs: list[Any]) -> None:
         for msg in msgs:
-            if isinstance(msg, GenerateReqInput):
-                req, error = build_req(msg, self.runner, self.config)
-                if error is not None:
-                    self.output.emit([error])
-                    continue
-                self.reqs[req.rid] = req
-                self.prefill.add(req)
-            elif isinstance(msg, AbortReq):
-                self.abort(msg.rid)
-            elif isinstance(msg, FlushCacheReq):
-                self.output.emit([self.flush_cache(msg.request_id)])
-            elif isinstance(msg, ShutdownReq):
-                self.running = False
+            if is_admin(msg):
+                result = dispatch(msg, self.admin_handlers)
+                if result is not None:
+                    self.output.emit([result])
+            else:
+                dispatch(msg, self.request_handlers)
+
+    def add_request(self, msg: GenerateReq) -> None:
+        req, error = build_req(msg, self.runner, self.config)
+        if error is not None:
+            self.output.emit([error])
+            return
+        self.reqs[req.rid] = req
+        self.prefill.add(req)
+
+    def shutdown(self, msg: ShutdownReq) -> None:
+        self.running = False
 
     def abort(self, rid: str) -> None:
         req = self.prefill.abort_waiting(rid)
@@ -117,18 +126,38 @@ class Scheduler:
         if req is not None and not req.finished():
             req.to_finish = finish_abort("aborted by client")  # applied at its next result
 
-    def flush_cache(self, request_id: str) -> AdminResult:
+    def flush_cache(self, msg: FlushCacheReq) -> AdminResult:
         """Drop the prefix cache when idle; report whether the pool is whole afterwards."""
         if not self.idle():
-            return AdminResult(request_id, False, {"error": "busy: requests are running"})
+            return AdminResult(msg.rid, False, {"error": "busy: requests are running"})
         try:
             self.cache.tree.reset()
-            self.cache.check_integrity()
-            free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
-            return AdminResult(request_id, free == cap, {"free_tokens": free, "capacity_tokens": cap,
-                                                         "metrics": self.metrics.snapshot()})
         except (AssertionError, RuntimeError) as exc:  # an admin call must never kill the scheduler
-            return AdminResult(request_id, False, {"error": f"flush failed: {exc}"})
+            return AdminResult(msg.rid, False, {"error": f"flush failed: {exc}"})
+        info = self.pool_state()
+        return AdminResult(msg.rid, bool(info["whole"]), info)
+
+    def status(self, msg: StatusReq) -> AdminResult:
+        return AdminResult(msg.rid, True, self.pool_state())
+
+    def pool_state(self) -> dict[str, Any]:
+        """Load and pool sizes; when idle also `whole`: the integrity check passed and every
+        page is free or held by the prefix cache (nothing leaked). None while busy."""
+        free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
+        cached = self.cache.tree.total_size()
+        info: dict[str, Any] = {
+            "dp_rank": self.dp_rank, "idle": self.idle(), "free_tokens": free, "cached_tokens": cached,
+            "capacity_tokens": cap, "num_waiting": len(self.prefill.waiting_queue),
+            "num_running": len(self.decode.reqs), "kv_usage": self.cache.usage(), "whole": None,
+            "metrics": self.metrics.snapshot(),
+        }
+        if info["idle"]:
+            try:
+                self.cache.check_integrity()
+                info["whole"] = free + cached == cap and self.cache.tree.protected_size() == 0
+            except AssertionError as exc:
+                info["whole"], info["error"] = False, f"integrity check failed: {exc}"
+        return info
 
     # ---- batch construction ----------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:

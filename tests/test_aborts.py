@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tandem import Engine
+from tandem.protocol.messages import FlushCacheReq
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -111,7 +112,7 @@ def test_flush_right_after_a_prefill_is_busy_not_fatal(model_path, overlap: bool
     def flush_after_prefill(batch, result):  # on the scheduler thread: exact timing
         plain(batch, result)
         if batch.mode.is_extend() and not replies:
-            replies.append(sched.flush_cache("probe"))
+            replies.append(sched.flush_cache(FlushCacheReq("probe")))
 
     sched.process_batch_result = flush_after_prefill
     try:

@@ -215,9 +215,9 @@ def test_priority_preempts_lower_priority_running_requests(model_path, overlap: 
 
 def test_dp_budget_dispatch_methods() -> None:
     from tandem.engine.dp_controller import DPBudget
-    from tandem.engine.io_struct import GenerateReqInput
+    from tandem.protocol.messages import GenerateReq
 
-    msg = lambda room=None: GenerateReqInput("r", [1], bootstrap_room=room)  # noqa: E731
+    msg = lambda room=None: GenerateReq("r", [1], bootstrap_room=room)  # noqa: E731
     b = DPBudget(3)
     assert [b.dispatch("round_robin", msg()) for _ in range(4)] == [0, 1, 2, 0]
     b.add(0, 100)

@@ -1,0 +1,129 @@
+"""Where a scheduler is assembled, and the clients that reach one.
+
+    build_scheduler(config, model_path, inbox, emit, role)   the one place a Scheduler is built
+    InProcessScheduler    a scheduler on a thread of this process (the offline Engine, dp_size 1)
+    run_scheduler_process one scheduler process fed over zmq (the DP controller's ranks, the server)
+
+Every client satisfies `SchedulerClient`: `send` a protocol message, outputs come
+back through the `emit` callback it was built with, `error` says why it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tandem.engine.engine_config import EngineConfig
+from tandem.protocol.messages import AdminResult, ShutdownReq, decode, encode
+from tandem.worker_contract import COLOCATED, WORKER_ROLES
+
+Emit = Callable[[list[Any]], None]
+
+
+class SchedulerClient(Protocol):
+    error: BaseException | None
+    info: dict[str, Any]  # what the scheduler reported once ready (see scheduler_info)
+
+    def send(self, msg: Any) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emit,
+                    role: str = COLOCATED, dp_rank: int = 0) -> Any:
+    """Load the model and wire a Scheduler for `role`. Prefill and decode are the
+    colocated scheduler plus their transfer parts, composed in by the PD issue;
+    until then they run the colocated scheduler and their front refuses generation."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.scheduler import Scheduler
+
+    if role not in WORKER_ROLES:
+        raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
+    tokenizer: list[Any] = []
+
+    def get_tokenizer() -> Any:  # only stop strings need it: loaded on first use
+        if not tokenizer:
+            tokenizer.append(AutoTokenizer.from_pretrained(model_path))
+        return tokenizer[0]
+
+    runner = ModelRunner(model_path, config.runner_config())
+    return Scheduler(config, runner, inbox, emit, get_tokenizer, dp_rank=dp_rank)
+
+
+def scheduler_info(sched: Any) -> dict[str, Any]:
+    """Limits the front validates against before a request reaches the scheduler."""
+    r = sched.runner
+    return {
+        "max_context_len": r.max_context_len, "vocab_size": r.vocab_size,
+        "capacity_tokens": r.kv_pool.capacity_tokens, "page_size": r.page_size,
+        "max_running_requests": sched.config.max_running_requests,
+        "dtype": str(r.dtype).removeprefix("torch."), "device": str(r.device),
+        "eos_token_ids": list(r.model_config.eos_token_ids),
+    }
+
+
+class InProcessScheduler:
+    """dp_size == 1 in the offline Engine: the scheduler loop on a thread of this process."""
+
+    def __init__(self, config: EngineConfig, model_path: str, emit: Emit) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.scheduler = build_scheduler(config, model_path, self.inbox, emit)
+        self.info = scheduler_info(self.scheduler)
+        self.thread = threading.Thread(target=self._run, name="tandem-scheduler", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.scheduler.run()
+        except BaseException as exc:  # surfaced to callers through `error`
+            self.error = exc
+            raise
+
+    def send(self, msg: Any) -> None:
+        self.inbox.put(msg)
+
+    def shutdown(self) -> None:
+        if self.thread.is_alive():
+            self.inbox.put(ShutdownReq())
+            self.thread.join(timeout=30)
+
+
+def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str,
+                          role: str = COLOCATED, threads: int | None = None) -> None:
+    """Entry point of one scheduler process: messages in over zmq PULL, outputs out over
+    PUSH. Its first output is AdminResult("ready-<rank>") carrying scheduler_info, or
+    ok=False with the error if the model failed to load."""
+    import torch
+    import zmq
+
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // config.dp_size))
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(in_addr)
+    push.connect(out_addr)
+    inbox: queue.Queue = queue.Queue()
+    emit = lambda outs: push.send_multipart([encode(o) for o in outs])  # noqa: E731
+    try:
+        sched = build_scheduler(config, model_path, inbox, emit, role=role, dp_rank=rank)
+    except Exception as exc:
+        push.send_multipart([encode(AdminResult(f"ready-{rank}", False, {"error": f"{type(exc).__name__}: {exc}"}))])
+        push.close(linger=2000)
+        raise
+
+    def pump() -> None:
+        while True:
+            msg = decode(pull.recv())
+            inbox.put(msg)
+            if isinstance(msg, ShutdownReq):
+                return
+
+    threading.Thread(target=pump, daemon=True).start()
+    push.send_multipart([encode(AdminResult(f"ready-{rank}", True, scheduler_info(sched)))])
+    sched.run()
+    push.close(linger=1000)

@@ -1,0 +1,8 @@
+"""Everything that crosses a process boundary, torch-free.
+
+- `messages`: front <-> scheduler (requests, admin commands, outputs), versioned on the wire.
+- `openai_api`: the HTTP request bodies shared by the worker and the router (OpenAI
+  completions and chat, SGLang's `/generate`), each validated once, here.
+
+The prefill <-> decode bootstrap and handshake messages join this package with the PD issue.
+"""
