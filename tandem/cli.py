@@ -15,7 +15,12 @@ import sys
 _COMMAND_MODULES = (
     "tandem.engine.cli",
     "tandem.operator.cli",
+    "tandem.server.cli",
 )
+
+
+# Third-party packages that only some extras install.
+_OPTIONAL = {"torch", "kopf", "kubernetes", "transformers", "fastapi", "uvicorn", "pydantic"}
 
 
 def build_parser(modules: tuple[str, ...] = _COMMAND_MODULES) -> argparse.ArgumentParser:
@@ -26,7 +31,7 @@ def build_parser(modules: tuple[str, ...] = _COMMAND_MODULES) -> argparse.Argume
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
             # A component whose extra is not installed simply contributes no commands.
-            if exc.name and exc.name.split(".")[0] in {"torch", "kopf", "kubernetes", "transformers"}:
+            if exc.name and exc.name.split(".")[0] in _OPTIONAL:
                 continue
             raise
         module.register(sub)

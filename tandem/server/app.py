@@ -1,0 +1,75 @@
+"""The worker's FastAPI app: routes, error handlers, the guard, and a lifespan that
+loads the model (its scheduler processes) before the port opens and shuts them down
+after it closes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from tandem.server import admin_routes, errors, generate_routes, openai_routes
+from tandem.server.config import ServerConfig
+from tandem.server.front import Front
+from tandem.server.metrics import ServerMetrics
+from tandem.server.runtime import Runtime
+from tandem.server.security import Guard
+from tandem.server.tokens import Tokens
+
+log = logging.getLogger("tandem.server")
+
+
+def scheduler_processes(config: ServerConfig) -> Callable[[Callable], Any]:
+    def build(emit: Callable) -> Any:
+        from tandem.engine.dp_controller import DataParallelController
+
+        return DataParallelController(config.engine, config.model_path, emit, role=config.role)
+
+    return build
+
+
+def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from transformers import AutoTokenizer
+
+        t0 = time.monotonic()
+        log.info("loading %s (%s role, dp_size %d)", config.model_path, config.role, config.engine.dp_size)
+        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        metrics = ServerMetrics()
+        front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe)
+        rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics)
+        log.info("scheduler ready in %.1f s: %s", time.monotonic() - t0, front.info)
+        if config.generates:
+            await _warm_up(rt)
+        rt.ready = True
+        log.info("ready in %.1f s: serving %r on http://%s:%d", time.monotonic() - t0,
+                 config.served_model_name, config.host, config.port)
+        try:
+            yield
+        finally:
+            log.info("shutting down the scheduler")
+            front.shutdown()
+
+    app = FastAPI(title="tandem worker", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    for r in (openai_routes.router, generate_routes.router, admin_routes.router):
+        app.include_router(r)
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    return app
+
+
+async def _warm_up(rt: Runtime) -> None:
+    """One short generation, so the first user request pays no first-call costs."""
+    t0 = time.monotonic()
+    stream = rt.front.open([1, 2, 3, 4], {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    try:
+        while not (await stream.next()).finished:
+            pass
+    finally:
+        rt.front.close(stream)
+    log.info("warm-up generation in %.2f s", time.monotonic() - t0)

@@ -1,0 +1,124 @@
+"""One choice of a completion: a request's stream turned into text deltas.
+
+Both OpenAI endpoints (and n > 1, and batched prompts) are a list of choices run
+concurrently; the endpoints only differ in how a delta is formatted. Every stream
+is opened before the HTTP response starts, so 429/503/400 are real statuses, and
+closed in `finally`, so a client that goes away aborts what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.detokenizer import TextStream
+from tandem.protocol.messages import ReqOutput
+from tandem.server.errors import ApiError, bad_request
+from tandem.server.front import Front, Stream
+from tandem.server.tokens import Tokens
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    out: ReqOutput  # logprobs of these tokens, usage counts, finish reason
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.out.finished:
+            return None
+        return (self.out.finish_reason or {}).get("kind", "stop")
+
+
+@dataclass
+class Choice:
+    index: int
+    stream: Stream
+    text: TextStream
+    prompt_len: int
+
+
+def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[str, Any]]],
+                 rid: str | None = None, **bootstrap: Any) -> list[Choice]:
+    """Admit every (input_ids, sampling) job or none: a refusal closes those already opened.
+    A caller's `rid` names a single job (batches get generated ids)."""
+    choices: list[Choice] = []
+    try:
+        for i, (ids, sp) in enumerate(jobs):
+            stops = sp.get("stop") or ()
+            stream = front.open(ids, sp, rid=rid if len(jobs) == 1 else None, **bootstrap)
+            choices.append(Choice(i, stream, TextStream(tokens.tok, (stops,) if isinstance(stops, str)
+                                                        else tuple(stops)), len(ids)))
+    except BaseException:
+        for c in choices:
+            front.close(c.stream)
+        raise
+    return choices
+
+
+async def run_choice(front: Front, choice: Choice) -> AsyncIterator[Delta]:
+    try:
+        while True:
+            out = await choice.stream.next()
+            reason = out.finish_reason or {}
+            if out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0:
+                # Refused or aborted before its first token: an error, not an empty answer.
+                raise ApiError(503 if front.draining else 400, reason.get("message") or "request aborted")
+            yield Delta(choice.index, choice.text.feed(out.token_ids, out.finished), out.token_ids, out)
+            if out.finished:
+                return
+    finally:
+        front.close(choice.stream)
+
+
+async def merged(front: Front, choices: list[Choice]) -> AsyncIterator[Delta]:
+    """Deltas of all choices as they arrive (one choice: no tasks at all)."""
+    if len(choices) == 1:
+        async for d in run_choice(front, choices[0]):
+            yield d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        try:
+            async for d in run_choice(front, c):
+                q.put_nowait(d)
+        except Exception as exc:
+            q.put_nowait(exc)
+        finally:
+            q.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        left = len(tasks)
+        while left:
+            item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for c in choices:  # cancelled pumps may not have started: close here too (idempotent)
+            front.close(c.stream)
+
+
+async def collect(front: Front, choices: list[Choice]) -> list[list[Delta]]:
+    """Non-streaming: every choice's deltas, in index order."""
+    per: list[list[Delta]] = [[] for _ in choices]
+    async for d in merged(front, choices):
+        per[d.index].append(d)
+    return per
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise bad_request(f"the model {requested!r} does not exist; this server serves {served!r}",
+                          code="model_not_found", param="model")

@@ -1,0 +1,25 @@
+"""`tandem serve`: one worker (the operator's pods, `tandem up`, the tests all start it
+through tandem.worker_contract.worker_argv). Imports nothing heavy until it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tandem.server.config import add_server_arguments, config_from_args
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI and SGLang APIs): one worker")
+    add_server_arguments(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    logging.basicConfig(level=config.engine.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tandem.server.process import run
+
+    return run(config)

@@ -1,0 +1,172 @@
+"""The front's request table: what sits between the HTTP handlers and the schedulers.
+
+    handler --submit--> Front --GenerateReq--> scheduler process(es)   (zmq, via SchedulerClient)
+    handler <--ReqOutput-- per-request asyncio.Queue <--emit-- client reader thread
+
+Outputs arrive on the client's reader thread and are handed to the event loop in one
+call per batch. A request lives in `active` from admission until its stream is closed;
+closing a stream that has not finished sends AbortReq, so a client that goes away frees
+its pages. Admission is bounded (429 past the limit) and stops while draining (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.protocol.messages import AbortReq, AdminResult, GenerateReq, ReqOutput, StatusReq
+from tandem.server.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerDown(RuntimeError):
+    pass
+
+
+@dataclass
+class Stream:
+    """One request's outputs, in order; the last one has finished=True."""
+
+    rid: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    first_token: float | None = None
+    last_token: float | None = None
+
+    async def next(self) -> ReqOutput:
+        out = await self.queue.get()
+        if isinstance(out, BaseException):
+            raise out
+        self.finished = out.finished
+        return out
+
+
+class Front:
+    def __init__(self, client_factory: Callable[[Callable[[list[Any]], None]], Any],
+                 max_active: int, observe: Callable[[Stream, ReqOutput], None] = lambda s, o: None) -> None:
+        """client_factory(emit) builds the SchedulerClient (it blocks until the model is loaded)."""
+        self.loop = asyncio.get_running_loop()
+        self.active: dict[str, Stream] = {}
+        self.admin_waiters: dict[str, tuple[int, list[AdminResult], asyncio.Future]] = {}
+        self.max_active = max_active
+        self.observe = observe
+        self.draining = False
+        self._ids = itertools.count()
+        self.client = client_factory(self._emit)
+        self.dp_size = getattr(getattr(self.client, "config", None), "dp_size", 1)
+        self._watchdog = asyncio.create_task(self._watch())
+
+    # ---- outputs (reader thread -> loop) ----------------------------------------------------------
+    def _emit(self, outs: list[Any]) -> None:
+        self.loop.call_soon_threadsafe(self._deliver, outs)
+
+    def _deliver(self, outs: list[Any]) -> None:
+        for o in outs:
+            if isinstance(o, AdminResult):
+                waiter = self.admin_waiters.get(o.rid)
+                if waiter is not None:
+                    waiter[1].append(o)
+                    if len(waiter[1]) == waiter[0] and not waiter[2].done():
+                        waiter[2].set_result(waiter[1])
+                continue
+            stream = self.active.get(o.rid)
+            if stream is not None:  # else: closed already (aborted by its client)
+                self.observe(stream, o)
+                stream.queue.put_nowait(o)
+
+    async def _watch(self) -> None:
+        """A dead scheduler fails every waiting request instead of leaving it hanging."""
+        while self.error is None:
+            await asyncio.sleep(0.5)
+        log.error("scheduler stopped: %r", self.error)
+        for s in list(self.active.values()):
+            s.queue.put_nowait(SchedulerDown(f"the scheduler stopped: {self.error!r}"))
+        for _, _, fut in self.admin_waiters.values():
+            if not fut.done():
+                fut.set_exception(SchedulerDown("the scheduler stopped"))
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.client.error
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.client.info
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def open(self, input_ids: list[int], sampling: dict[str, Any], rid: str | None = None,
+             **bootstrap: Any) -> Stream:
+        """Admit one request and send it; the caller must `close` the stream."""
+        if self.error is not None:
+            raise ApiError(503, "the scheduler is not running")
+        if self.draining:
+            raise ApiError(503, "the server is draining and admits no new requests")
+        if len(self.active) >= self.max_active:
+            raise ApiError(429, f"too many requests in flight ({self.max_active}); retry later")
+        rid = rid or f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
+        if rid in self.active:
+            raise ApiError(400, f"request id {rid!r} is already in flight", param="rid")
+        stream = self.active[rid] = Stream(rid)
+        self.client.send(GenerateReq(rid, list(input_ids), sampling, **bootstrap))
+        return stream
+
+    def close(self, stream: Stream) -> None:
+        if self.active.pop(stream.rid, None) is not None and not stream.finished and self.error is None:
+            self.client.send(AbortReq(stream.rid))
+
+    def abort(self, rid: str) -> bool:
+        if rid in self.active:
+            self.client.send(AbortReq(rid))
+            return True
+        return False
+
+    # ---- admin --------------------------------------------------------------------------------------
+    async def admin(self, make: Callable[[str], Any], timeout: float = 30.0) -> list[AdminResult]:
+        """Send an admin command to every rank and collect the answers."""
+        if self.error is not None:
+            raise ApiError(503, "the scheduler is not running")
+        rid = f"admin-{uuid.uuid4().hex[:12]}"
+        fut = self.loop.create_future()
+        self.admin_waiters[rid] = (self.dp_size, [], fut)
+        try:
+            self.client.send(make(rid))
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise ApiError(503, f"the scheduler did not answer within {timeout:.0f} s") from None
+        finally:
+            self.admin_waiters.pop(rid, None)
+
+    async def pool_state(self) -> list[dict[str, Any]]:
+        return [r.info for r in await self.admin(StatusReq)]
+
+    async def drain(self, timeout: float) -> dict[str, Any]:
+        """Stop admission, let in-flight requests finish for `timeout` seconds, abort the
+        rest, and wait (bounded) until every rank is idle; report the pools' state."""
+        self.draining = True
+        t0, in_flight = time.monotonic(), len(self.active)
+        while self.active and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(0.05)
+        aborted = list(self.active)
+        for rid in aborted:
+            self.abort(rid)
+        deadline = time.monotonic() + 30
+        pools = await self.pool_state()
+        while not all(p["idle"] for p in pools) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            pools = await self.pool_state()
+        whole = all(p["whole"] for p in pools)
+        log.info("drained in %.1f s: %d in flight, %d aborted, KV pool %s", time.monotonic() - t0,
+                 in_flight, len(aborted), "whole" if whole else f"NOT whole: {pools}")
+        return {"in_flight": in_flight, "aborted": len(aborted), "pool_whole": whole, "pools": pools}
+
+    def shutdown(self) -> None:
+        self._watchdog.cancel()
+        self.client.shutdown()

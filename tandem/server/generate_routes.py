@@ -1,0 +1,89 @@
+"""SGLang's native POST /generate, so sgl-router (and SGLang clients) can front our workers.
+
+The body is text or input_ids (one or a batch), SGLang's sampling_params, `stream`,
+`return_logprob`/`top_logprobs_num`, `rid`, and the PD bootstrap fields. A streamed
+chunk carries the text and ids so far, as SGLang's default (non-incremental) output does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.protocol.openai_api import GenerateRequest
+from tandem.server.choices import Choice, Delta, collect, merged, open_choices
+from tandem.server.errors import ApiError
+from tandem.server.runtime import Runtime, cancel_on_disconnect
+
+router = APIRouter()
+
+
+def _finish_reason(out: Any) -> dict[str, Any] | None:
+    if not out.finished:
+        return None
+    r = out.finish_reason or {}
+    kind = r.get("kind", "stop")
+    if kind == "length":
+        return {"type": "length", "length": out.completion_tokens}
+    if kind == "abort":
+        return {"type": "abort", "message": r.get("message")}
+    return {"type": "stop", "matched": r.get("matched")}
+
+
+def _meta(c: Choice, deltas: list[Delta], t0: float, logprob: bool) -> dict[str, Any]:
+    last = deltas[-1].out
+    meta: dict[str, Any] = {
+        "id": c.stream.rid, "finish_reason": _finish_reason(last), "prompt_tokens": c.prompt_len,
+        "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens,
+        "e2e_latency": time.monotonic() - t0,
+    }
+    if logprob:
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [x for d in deltas for x in d.out.logprobs or []]
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+        meta["output_top_logprobs"] = [[[lp, int(t), None] for t, lp in row]
+                                       for d in deltas for row in d.out.top_logprobs or []]
+    return meta
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    rt: Runtime = request.app.state.runtime
+    rt.require_generation()
+    t0 = time.monotonic()
+    sp = body.sampling_params.engine_kwargs()
+    if body.return_logprob or body.top_logprobs_num:
+        sp["return_logprob"], sp["top_logprobs_num"] = True, body.top_logprobs_num
+    jobs = []
+    for prompt in body.prompts():
+        ids = rt.tokens.encode(prompt)
+        rt.tokens.max_new_tokens(len(ids), sp["max_new_tokens"])
+        jobs.append((ids, sp))
+    bootstrap = {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
+    choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid, **bootstrap)
+    logprob = bool(body.return_logprob or body.top_logprobs_num)
+    if body.stream:
+        return StreamingResponse(_stream(rt, choices[0], t0, logprob), media_type="text/event-stream")
+    per = await cancel_on_disconnect(request, collect(rt.front, choices))
+    results = [{"text": c.text.text, "output_ids": [t for d in ds for t in d.token_ids],
+                "meta_info": _meta(c, ds, t0, logprob)} for c, ds in zip(choices, per)]
+    return JSONResponse(results if body.is_batch else results[0])
+
+
+async def _stream(rt: Runtime, c: Choice, t0: float, logprob: bool) -> AsyncIterator[str]:
+    deltas: list[Delta] = []
+    ids: list[int] = []
+    try:
+        async for d in merged(rt.front, [c]):
+            deltas.append(d)
+            ids += d.token_ids
+            chunk = {"text": c.text.text, "output_ids": ids, "meta_info": _meta(c, deltas, t0, logprob)}
+            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    except ApiError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    yield "data: [DONE]\n\n"

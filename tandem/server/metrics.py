@@ -1,0 +1,58 @@
+"""The worker's prometheus-client series, under the names in tandem/metric_names.py.
+
+Latency histograms are observed in the front as outputs arrive (TTFT from admission,
+ITL between a request's tokens), so their memory is constant however long the server
+runs. Load gauges are read from the schedulers at scrape time (one StatusReq round trip).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tandem import metric_names as names
+from tandem.protocol.messages import ReqOutput
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(names.TIME_TO_FIRST_TOKEN_SECONDS, "admission to first token",
+                              buckets=names.TTFT_BUCKETS_SECONDS, registry=r)
+        self.itl = Histogram(names.INTER_TOKEN_LATENCY_SECONDS, "gap between a request's tokens",
+                             buckets=names.ITL_BUCKETS_SECONDS, registry=r)
+        self.queue = Gauge(names.NUM_QUEUE_REQS, "requests waiting to be scheduled", registry=r)
+        self.running = Gauge(names.NUM_RUNNING_REQS, "requests in the running batch", registry=r)
+        self.kv_usage = Gauge(names.KV_CACHE_USAGE, "fraction of KV pages in use", registry=r)
+        self.requests = Counter("tandem_requests", "finished requests by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "generated tokens", registry=r)
+        self.pool_whole = Gauge("tandem_kv_pool_whole", "1 when the last idle integrity check passed", registry=r)
+
+    def observe(self, stream: Any, out: ReqOutput) -> None:
+        """Called by the front for every output, before its handler sees it."""
+        n = len(out.token_ids)
+        if n:
+            now = time.monotonic()
+            if stream.first_token is None:
+                stream.first_token = now
+                self.ttft.observe(now - stream.submitted)
+                n -= 1
+            elif stream.last_token is not None:
+                for _ in range(n):
+                    self.itl.observe((now - stream.last_token) / n)
+            stream.last_token = now
+            self.generation_tokens.inc(len(out.token_ids))
+        if out.finished:
+            self.requests.labels((out.finish_reason or {}).get("kind", "stop")).inc()
+            self.prompt_tokens.inc(out.prompt_tokens)
+
+    def render(self, pools: list[dict[str, Any]]) -> bytes:
+        self.queue.set(sum(p["num_waiting"] for p in pools))
+        self.running.set(sum(p["num_running"] for p in pools))
+        self.kv_usage.set(max(p["kv_usage"] for p in pools))
+        if all(p["whole"] is not None for p in pools):
+            self.pool_whole.set(1.0 if all(p["whole"] for p in pools) else 0.0)
+        return generate_latest(self.registry)
