@@ -30,12 +30,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
-    def step(self, new_ids: list[int]) -> str:
-        """Feed new token ids; return the newly completed text."""
+    def step(self, new_ids: list[int], final: bool = False) -> str:
+        """Feed new token ids; return the newly completed text. `final` flushes a
+        half-decoded character too (as U+FFFD, as a one-shot decode would show it)."""
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        if (full_text.endswith("\ufffd") and not final) or len(full_text) <= len(prefix_text):
             return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = max(len(self.ids) - _WINDOW, 0)
@@ -77,7 +78,7 @@ class TextStream:
     def feed(self, token_ids: list[int], finished: bool) -> str:
         if self.stopped:
             return ""
-        delta = self.detok.step(token_ids)
+        delta = self.detok.step(token_ids, final=finished)
         text = self.detok.text
         hit = find_stop(text, len(delta), self.stops) if self.stops and delta else None
         if hit is not None:

@@ -148,7 +148,8 @@ class Scheduler:
         info: dict[str, Any] = {
             "dp_rank": self.dp_rank, "idle": self.idle(), "free_tokens": free, "cached_tokens": cached,
             "capacity_tokens": cap, "num_waiting": len(self.prefill.waiting_queue),
-            "num_running": len(self.decode.reqs), "kv_usage": self.cache.usage(), "whole": None,
+            "num_running": sum(not r.finished() for r in self.decode.reqs), "kv_usage": self.cache.usage(),
+            "whole": None,
             "metrics": self.metrics.snapshot(),
         }
         if info["idle"]:

@@ -50,11 +50,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errs:
         return "invalid request", None
     e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # Union members show up in the location as type tags (prompt.str, prompt.list[int]): drop them.
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_tag(str(x))]
     if e.get("type") == "json_invalid":
         return f"the body is not valid JSON: {e.get('msg')}", None
     where = ".".join(loc)
     return (f"{where}: {e.get('msg')}" if where else str(e.get("msg"))), (where or None)
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "dict", "list"} or part.startswith("function-")
 
 
 def install(app: FastAPI) -> None:

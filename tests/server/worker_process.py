@@ -1,0 +1,97 @@
+"""Start `tandem serve` as a real process on a free 127.0.0.1 port, wait until ready, stop it.
+
+Every server test goes through here, so every server is always stopped (SIGTERM, then
+SIGKILL) and its log is shown when a test fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from tandem import worker_contract as contract
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None, port: int | None = None,
+                 api_key: str | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **key_env, **(env or {})})
+
+    @classmethod
+    def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
+        args = contract.WorkerArgs(role=contract.COLOCATED, model=str(model), served_model_name=name, config=None,
+                                   extra=("--dtype", "float32", *flags))
+        return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_ready(self, timeout: float = 180) -> Worker:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + contract.READY_PATH, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"tandem serve not ready in {timeout} s:\n{self.output()}")
+
+    def get(self, path: str, **kw: object) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(), timeout=60, **kw)  # type: ignore[arg-type]
+
+    def post(self, path: str, json: object = None, **kw: object) -> httpx.Response:
+        return httpx.post(self.url + path, json=json, headers=self.headers(), timeout=120, **kw)  # type: ignore[arg-type]
+
+    def pool(self) -> dict:
+        """The pools' integrity, from outside: waits (bounded) until every rank is idle."""
+        deadline = time.monotonic() + 30
+        while True:
+            state = self.get("/debug/pool").json()
+            if state["whole"] is not None or time.monotonic() > deadline:
+                return state
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def __enter__(self) -> Worker:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
