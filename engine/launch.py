@@ -94,6 +94,24 @@ class InProcessScheduler:
             self.thread.join(timeout=30)
 
 
+def fix_malloc_mmap_threshold(threshold: int = 64 * 1024) -> None:
+    """glibc raises its mmap threshold each time a large block is freed, so a server whose
+    batch shapes keep changing ends up serving activations from a fragmented heap that never
+    shrinks: RSS crept up ~9% over a 5,000-request soak. A fixed threshold returns every
+    block above it to the OS on free; the soak is then flat after warm-up, at no measured
+    throughput cost (docs/serving.md). Skipped off glibc or when MALLOC_MMAP_THRESHOLD_ is set."""
+    import ctypes
+    import ctypes.util
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not ctypes.util.find_library("c"):
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str,
                           role: str = COLOCATED, threads: int | None = None) -> None:
     """Entry point of one scheduler process: messages in over zmq PULL, outputs out over
@@ -102,6 +120,7 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
     import torch
     import zmq
 
+    fix_malloc_mmap_threshold()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // config.dp_size))
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
