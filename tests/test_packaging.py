@@ -23,9 +23,10 @@ def test_every_package_folder_is_listed() -> None:
     assert found <= listed, f"add to pyproject packages: {sorted(found - listed)}"
 
 
-def test_operator_and_cli_never_import_torch() -> None:
+def test_operator_protocol_and_cli_never_import_torch() -> None:
     code = (
-        "import sys; import tandem.cli, tandem.operator.reconcile, tandem.metric_names;"
+        "import sys; import tandem.cli, tandem.operator.reconcile, tandem.metric_names, tandem.worker_contract;"
+        "import tandem.protocol.messages, tandem.protocol.openai_api;"
         "tandem.cli.build_parser();"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -35,7 +35,8 @@ class Worker:
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port)]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        # Its own session: a benchmark can freeze the whole worker (front and schedulers) with killpg.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **key_env, **(env or {})})
 
     @classmethod
