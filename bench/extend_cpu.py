@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
-from tandem.engine.forward_batch import ForwardBatch, ForwardMode
-from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 VARIANTS = ("amx", "fma", "sdpa")  # (use_extend_kernel, use_amx) below
 
@@ -69,10 +69,10 @@ def _attention_case(heads: int, kv_heads: int, prefix: int, extends: list[int]):
 
 
 def _forward_case(model: str):
-    from tandem.engine.config import RunnerConfig
-    from tandem.engine.model_builder import resolve_model
-    from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.static_generate import StaticBatch
+    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.runner.config import RunnerConfig
+    from tandem.engine.runner.model_runner import ModelRunner
+    from tandem.engine.runner.static_generate import StaticBatch
 
     runner = ModelRunner(str(resolve_model(model)), RunnerConfig(dtype="bfloat16", page_size=16,
                                                                  max_total_tokens=8192, max_running_requests=16))

@@ -35,9 +35,9 @@ def _median_ms(fn, repeat: int) -> float:
 def _ours(path: str, dtype: str, batch: int, ctx: int, fused: bool = True):
     """The case's timed step on our runner: prefill of batch x ctx (batch 8), else one decode step.
     fused=False switches the fused CPU layer ops (norm, SiLU*mul, RoPE) off: the torch chain."""
-    from tandem.engine.config import RunnerConfig
-    from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.static_generate import StaticBatch
+    from tandem.engine.runner.config import RunnerConfig
+    from tandem.engine.runner.model_runner import ModelRunner
+    from tandem.engine.runner.static_generate import StaticBatch
 
     runner = ModelRunner(path, RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
                                             max_running_requests=batch))
@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from tandem.engine.model_builder import resolve_model
+    from tandem.engine.modelgen.model_builder import resolve_model
 
     path = str(resolve_model(args.model))
     rows = []

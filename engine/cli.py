@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Any
 
-from tandem.engine.model_builder import ARCHITECTURES, PRESETS, ModelSpec
+from tandem.engine.modelgen.model_builder import ARCHITECTURES, PRESETS, ModelSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -145,7 +145,7 @@ def spec_from_args(args: argparse.Namespace) -> ModelSpec:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from tandem.engine.model_builder import build_model
+    from tandem.engine.modelgen.model_builder import build_model
 
     try:
         spec = spec_from_args(args)

@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, model: str = "tiny", **config: Any) -> None:
         from transformers import AutoTokenizer
 
-        from tandem.engine.model_builder import resolve_model
+        from tandem.engine.modelgen.model_builder import resolve_model
 
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.model_path = resolve_model(model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tandem.engine.config import RunnerConfig
+from tandem.engine.runner.config import RunnerConfig
 from tandem.worker_contract import EngineYaml
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -73,7 +73,7 @@ class EngineConfig:
     def enable_overlap(self) -> bool:
         if self.disable_overlap_schedule is not None:
             return not self.disable_overlap_schedule
-        from tandem.engine.model_runner import resolve_device  # here: reading a config needs no torch
+        from tandem.engine.runner.model_runner import resolve_device  # here: reading a config needs no torch
 
         return resolve_device(self.device).type == "cuda"
 

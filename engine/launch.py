@@ -39,8 +39,8 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
     until then they run the colocated scheduler and their front refuses generation."""
     from transformers import AutoTokenizer
 
-    from tandem.engine.model_runner import ModelRunner
-    from tandem.engine.scheduler import Scheduler
+    from tandem.engine.runner.model_runner import ModelRunner
+    from tandem.engine.scheduler.scheduler import Scheduler
 
     if role not in WORKER_ROLES:
         raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")

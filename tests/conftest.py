@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _kernel_level_params() -> list:
     """Every CPU kernel level; those this CPU cannot execute are skipped (their instructions
     would fault), the rest are built and run, capped builds included."""
-    from tandem.engine.cpu_plan import LEVELS, runnable_levels
+    from tandem.engine.kernels.cpu_plan import LEVELS, runnable_levels
 
     runs = runnable_levels()  # TANDEM_CPU_ISA=avx2 makes an AVX-512 machine test as an AVX2 one
     skip = pytest.mark.skip(reason="this CPU does not execute these instructions")
@@ -39,7 +39,7 @@ def _kernel_level_params() -> list:
 @pytest.fixture(params=_kernel_level_params())
 def kernel_level(request: pytest.FixtureRequest) -> str:
     """Runs the test with every kernel op on one level's build (cpu_kernels.forced)."""
-    from tandem.engine import cpu_kernels
+    from tandem.engine.kernels import cpu_kernels
 
     with cpu_kernels.forced(request.param):
         assert cpu_kernels.available(), f"{request.param} kernels failed to build: {cpu_kernels.unavailable_reason()}"
@@ -50,7 +50,7 @@ def kernel_level(request: pytest.FixtureRequest) -> str:
 def plan_env(monkeypatch: pytest.MonkeyPatch):
     """plan_env(NAME=value, ...) sets env vars and re-decides the CPU plan under them; the
     env and the plan are back to the process's own after the test."""
-    from tandem.engine import cpu_plan
+    from tandem.engine.kernels import cpu_plan
 
     def set_env(**env: str) -> None:
         for name, value in env.items():
@@ -64,7 +64,7 @@ def plan_env(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture(scope="session")
 def model_path():
     """model_path(preset) -> directory of a built-in model, built once and cached."""
-    from tandem.engine.model_builder import resolve_model
+    from tandem.engine.modelgen.model_builder import resolve_model
 
     cache: dict[str, Path] = {}
 

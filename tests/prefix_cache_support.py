@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.allocator import PageAllocator
-from tandem.engine.memory_pool import ReqToTokenPool
-from tandem.engine.prefix_cache import PrefixCache, create_prefix_cache
+from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool
+from tandem.engine.kvcache.prefix_cache import PrefixCache, create_prefix_cache
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine import cpu_kernels
+from tandem.engine.kernels import cpu_kernels
 
 # Every test runs once per kernel level this CPU executes (conftest.kernel_level): the
 # AVX-512, AVX2 and plain-lane forms must each match the dense reference.
@@ -127,8 +127,8 @@ def test_backend_kernel_matches_gather_path(page_size):
     from types import SimpleNamespace
 
     from tandem.engine.attention.torch_backend import TorchAttentionBackend
-    from tandem.engine.forward_batch import ForwardBatch, ForwardMode
-    from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+    from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
     torch.manual_seed(page_size)
     heads, kv_heads, dim, dtype = 16, 4, 64, torch.bfloat16
@@ -219,7 +219,7 @@ def test_extend_kernel_matches_dense(dtype, use_amx, heads, kv_heads, dim):
 def test_store_kv_matches_index_copy(dtype):
     """TokenToKVPool.set_kv through the fused op equals its index_copy_ path, with k/v as
     strided views of a fused qkv projection (as the model passes them)."""
-    from tandem.engine.memory_pool import TokenToKVPool
+    from tandem.engine.kvcache.memory_pool import TokenToKVPool
 
     torch.manual_seed(0)
     fused, plain = (TokenToKVPool(9, 16, 2, 4, 64, dtype, "cpu") for _ in range(2))

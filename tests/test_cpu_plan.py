@@ -17,8 +17,8 @@ import subprocess
 import pytest
 import torch
 
-from tandem.engine import cpu_build, cpu_kernels, cpu_plan
-from tandem.engine.cpu_plan import OPS, REQUIRES, plan_for
+from tandem.engine.kernels import cpu_build, cpu_kernels, cpu_plan
+from tandem.engine.kernels.cpu_plan import OPS, REQUIRES, plan_for
 
 V3 = REQUIRES["avx2"] | {"sse4_2", "popcnt"}
 V4 = REQUIRES["avx512"] | V3
@@ -84,8 +84,8 @@ def test_env_decides_the_process_plan(plan_env) -> None:
 def test_engine_choices_follow_the_plan(monkeypatch, family: str) -> None:
     """Packing, dtype=auto and each op's kernel switch read the plan (this CPU's kernels
     stand in for the family's: the choice, not the build, is under test)."""
-    from tandem.engine.model_runner import resolve_dtype
     from tandem.engine.models.layers import can_pack_linears
+    from tandem.engine.runner.model_runner import resolve_dtype
 
     flags, level, packed, native = FAMILIES[family]
     plan = plan_for(flags, machine="x86_64")

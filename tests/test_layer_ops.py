@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from tandem.engine import cpu_kernels
+from tandem.engine.kernels import cpu_kernels
 from tandem.engine.models.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every kernel level this CPU executes

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from tandem.engine.allocator import PageAllocator
-from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 
 
 def test_alloc_extend_fills_tail_then_new_pages() -> None:
@@ -99,6 +101,27 @@ def test_kv_pool_is_one_contiguous_buffer() -> None:
     k = torch.randn(3, 2, 8)
     pool.set_kv(2, loc, k, -k)
     assert torch.equal(pool.k_buffer(2)[loc], k) and torch.equal(pool.v_buffer(2)[loc], -k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_layout_addresses_every_page(dtype: torch.dtype) -> None:
+    """The torch-free layout a transfer agent is handed names the same bytes torch does."""
+    pool = TokenToKVPool(num_pages=5, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype,
+                         device="cpu")
+    lay = pool.layout()
+    assert lay.total_bytes == pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+    assert lay.page_bytes == pool.page_bytes_per_layer()
+    for layer in range(3):
+        for kv in (0, 1):
+            for page in range(5):
+                assert lay.page_addr(layer, kv, page) == pool.kv_buffer[layer, kv, page * 4].data_ptr()
+    with pytest.raises(IndexError):
+        lay.page_addr(3, 0, 0)
+    other = TokenToKVPool(num_pages=9, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype,
+                          device="cpu").layout()
+    assert lay.mismatch(other) == []  # page counts may differ between workers
+    assert lay.mismatch(dataclasses.replace(other, page_size=16, dtype="float16")) == [
+        f"dtype: {lay.dtype} != float16", "page_size: 4 != 16"]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tandem.engine.model_builder import (  # noqa: E402
+from tandem.engine.modelgen.model_builder import (  # noqa: E402
     PRESETS,
     ModelSpec,
     build_model,

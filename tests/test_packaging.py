@@ -26,7 +26,7 @@ def test_every_package_folder_is_listed() -> None:
 def test_operator_protocol_and_cli_never_import_torch() -> None:
     code = (
         "import sys; import tandem.cli, tandem.operator.reconcile, tandem.metric_names, tandem.worker_contract;"
-        "import tandem.protocol.messages, tandem.protocol.openai_api;"
+        "import tandem.protocol.messages, tandem.protocol.openai_api, tandem.protocol.kv_layout;"
         "tandem.cli.build_parser();"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine import cpu_kernels
-from tandem.engine.sampler import SamplingBatch, _filtered_logprobs, _gumbel, _uniform, sample
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kernels import cpu_kernels
+from tandem.engine.runner.sampler import SamplingBatch, _filtered_logprobs, _gumbel, _uniform, sample
+from tandem.engine.scheduler.sampling_params import SamplingParams
 
 V = 50
 

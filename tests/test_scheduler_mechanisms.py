@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from tandem import Engine
-from tandem.engine.cache_manager import CacheManager
-from tandem.engine.decode_manager import DecodeManager
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.engine.prefill_adder import AddReqResult, PrefillAdder
-from tandem.engine.prefix_cache import create_prefix_cache
-from tandem.engine.req import Req
-from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.prefix_cache import create_prefix_cache
+from tandem.engine.scheduler.decode_manager import DecodeManager
+from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
+from tandem.engine.scheduler.req import Req
+from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.scheduler.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 
 
 def _cache(tokens: int = 256, page: int = 1, radix: bool = True) -> CacheManager:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention.base import AttentionBackend
-from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 _WORKSPACE_BYTES = 256 << 20
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine import cpu_kernels, cpu_plan
+from tandem.engine.kernels import cpu_kernels, cpu_plan
 
 
 class RMSNorm(nn.Module):

@@ -4,5 +4,7 @@
 - `openai_api`: the HTTP request bodies shared by the worker and the router (OpenAI
   completions and chat, SGLang's `/generate`), each validated once, here.
 
+- `kv_layout`: a worker's KV buffer as a transfer agent sees it (exchanged in the PD handshake).
+
 The prefill <-> decode bootstrap and handshake messages join this package with the PD issue.
 """

@@ -17,7 +17,7 @@ import bisect
 
 import torch
 
-from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 
 def _buckets(max_bs: int) -> list[int]:

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tandem.engine.cache_manager import CacheManager
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
-from tandem.engine.model_worker import GenerationBatchResult
-from tandem.engine.req import FinishReason, Req, ReqStatus, finish_length
-from tandem.engine.schedule_batch import ScheduleBatch
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.runner.model_worker import GenerationBatchResult
+from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_length
+from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.protocol.messages import ReqOutput
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.cpu_plan import LEVELS, is_x86, read_cpu_flags
+from tandem.engine.kernels.cpu_plan import LEVELS, is_x86, read_cpu_flags
 
 log = logging.getLogger(__name__)
 

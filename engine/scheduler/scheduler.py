@@ -20,21 +20,21 @@ from typing import Any
 
 import torch
 
-from tandem.engine.cache_manager import CacheManager
-from tandem.engine.decode_manager import DecodeManager
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.forward_batch import ForwardMode
-from tandem.engine.future_map import FutureMap
-from tandem.engine.metrics import SchedulerMetrics
-from tandem.engine.model_runner import ModelRunner
-from tandem.engine.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
-from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.prefill_manager import PrefillManager
-from tandem.engine.prefix_cache import create_prefix_cache
-from tandem.engine.req import Req, finish_abort
-from tandem.engine.request_validation import build_req
-from tandem.engine.schedule_batch import ScheduleBatch
-from tandem.engine.schedule_policy import SchedulePolicy
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.kvcache.prefix_cache import create_prefix_cache
+from tandem.engine.runner.forward_batch import ForwardMode
+from tandem.engine.runner.future_map import FutureMap
+from tandem.engine.runner.model_runner import ModelRunner
+from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
+from tandem.engine.scheduler.decode_manager import DecodeManager
+from tandem.engine.scheduler.metrics import SchedulerMetrics
+from tandem.engine.scheduler.output_processor import OutputProcessor
+from tandem.engine.scheduler.prefill_manager import PrefillManager
+from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.request_validation import build_req
+from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 from tandem.protocol.messages import (
     AbortReq,
     AdminResult,

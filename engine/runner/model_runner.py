@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine import cpu_plan
 from tandem.engine.attention import create_backend
-from tandem.engine.config import ModelConfig, RunnerConfig
-from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kernels import cpu_plan
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
-from tandem.engine.sampler import SampleOutput, SamplingBatch, sample
+from tandem.engine.runner.config import ModelConfig, RunnerConfig
+from tandem.engine.runner.forward_batch import ForwardBatch
+from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ModelRunner:
         self.attn_backend = create_backend(config.attention_backend, self)
         self.graph_runner = None
         if self.device.type == "cuda" and not config.disable_cuda_graph and hasattr(self.attn_backend, "plan_decode"):
-            from tandem.engine.cuda_graph_runner import CudaGraphRunner
+            from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_running_requests))
         log.info(

@@ -30,9 +30,9 @@ from collections.abc import Iterator
 
 import torch
 
-from tandem.engine.allocator import PageAllocator
-from tandem.engine.memory_pool import ReqToTokenPool
-from tandem.engine.prefix_cache import CacheableReq, MatchResult, PrefixCache
+from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool
+from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, PrefixCache
 
 
 class TreeNode:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from tandem.engine.req import Req
+from tandem.engine.scheduler.req import Req
 
 LPM_FALLBACK_QUEUE_LEN = 128
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import time
 
-from tandem.engine.cache_manager import CacheManager
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.req import Req, finish_abort
-from tandem.engine.schedule_batch import ScheduleBatch
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 
 
 class DecodeManager:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.memory_pool import ReqToTokenPool, TokenToKVPool
-from tandem.engine.req import Req
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.scheduler.req import Req
 
 
 class OutOfKV(RuntimeError):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-from tandem.engine.cache_manager import CacheManager
-from tandem.engine.req import Req
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.req import Req
 
 
 class AddReqResult(Enum):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine import cpu_kernels
-from tandem.engine.allocator import PageAllocator
+from tandem.engine.kernels import cpu_kernels
+from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.protocol.kv_layout import KVLayout
 
 
 class ReqToTokenPool:
@@ -115,6 +116,14 @@ class TokenToKVPool:
             return
         self.kv_buffer[layer, 0].index_copy_(0, loc, k.to(self.dtype))
         self.kv_buffer[layer, 1].index_copy_(0, loc, v.to(self.dtype))
+
+    def layout(self) -> KVLayout:
+        """The buffer's layout and address, for a transfer agent (and the PD handshake)."""
+        num_slots, kv_heads, head_dim = self.kv_buffer.shape[2:]
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=str(self.dtype).removeprefix("torch."), itemsize=self.kv_buffer.element_size(),
+                        page_size=self.page_size, num_pages=num_slots // self.page_size,
+                        base_ptr=self.kv_buffer.data_ptr())
 
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of K (or V) in one layer: the unit a transfer moves."""

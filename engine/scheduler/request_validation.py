@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.model_runner import ModelRunner
-from tandem.engine.req import Req
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.runner.model_runner import ModelRunner
+from tandem.engine.scheduler.req import Req
+from tandem.engine.scheduler.sampling_params import SamplingParams
 from tandem.protocol.messages import GenerateReq, ReqOutput
 
 

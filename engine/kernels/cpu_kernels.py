@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine import cpu_build, cpu_plan
+from tandem.engine.kernels import cpu_build, cpu_plan
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.cache_manager import CacheManager
-from tandem.engine.forward_batch import ForwardMode
-from tandem.engine.req import Req, ReqStatus
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.runner.forward_batch import ForwardMode
+from tandem.engine.scheduler.req import Req, ReqStatus
+from tandem.engine.scheduler.sampling_params import SamplingParams
 
 
 @dataclass

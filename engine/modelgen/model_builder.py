@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tandem.engine.model_spec import (  # noqa: F401  (re-exported: the builder's public names)
+from tandem.engine.modelgen.model_spec import (  # noqa: F401  (re-exported: the builder's public names)
     ARCHITECTURES,
     BUILDER_VERSION,
     PRESETS,
@@ -31,7 +31,7 @@ from tandem.engine.model_spec import (  # noqa: F401  (re-exported: the builder'
     recipe,
     weight_shapes,
 )
-from tandem.engine.tokenizer_builder import (
+from tandem.engine.modelgen.tokenizer_builder import (
     SpecialIds,
     cached_tokenizer,
     family_for_arch,

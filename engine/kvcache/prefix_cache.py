@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.allocator import PageAllocator
-from tandem.engine.memory_pool import ReqToTokenPool
+from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.memory_pool import ReqToTokenPool
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,6 @@ def create_prefix_cache(
     if disable_radix_cache:
         return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
     # Imported here: radix_cache.py imports this module for the contract.
-    from tandem.engine.radix_cache import RadixCache
+    from tandem.engine.kvcache.radix_cache import RadixCache
 
     return RadixCache(req_to_token_pool, kv_pool_allocator, page_size)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from tandem.engine.cache_manager import CacheManager
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.prefill_adder import AddReqResult, PrefillAdder
-from tandem.engine.req import Req, ReqStatus, finish_abort
-from tandem.engine.schedule_batch import ScheduleBatch
-from tandem.engine.schedule_policy import SchedulePolicy
+from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
+from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
+from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 
 
 class PrefillManager:

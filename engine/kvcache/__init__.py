@@ -1,0 +1,1 @@
+"""KV memory: the pools, the page allocator, the prefix caches, and the manager over them."""

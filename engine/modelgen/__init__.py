@@ -1,0 +1,1 @@
+"""Building HF-format models locally: presets, weights, the byte-level BPE tokenizer."""

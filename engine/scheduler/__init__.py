@@ -1,0 +1,1 @@
+"""The scheduler: requests, queues, batches, the event loops, outputs."""
