@@ -32,7 +32,8 @@ import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.kernels import cpu_kernels, cpu_plan
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.models.layers import RMSNorm
 from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.runner.sampler import SamplingBatch, sample

@@ -26,7 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 VARIANTS = ("amx", "fma", "sdpa")  # (use_extend_kernel, use_amx) below

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool
 from tandem.engine.kvcache.prefix_cache import PrefixCache, create_prefix_cache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 @dataclass(eq=False)
@@ -108,6 +108,7 @@ def extend(env: Env, req: FakeReq, n: int, new_tokens: list[int] | None = None) 
 
 def finish(env: Env, req: FakeReq) -> None:
     env.cache.cache_finished_req(req)
+    env.pool.free(req.req_pool_idx)  # the row's owner (the cache manager, in the engine) frees it
     env.running.remove(req)
 
 

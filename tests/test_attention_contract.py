@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tandem.engine.attention import create_backend
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, DIM = 8, 2, 32

@@ -127,7 +127,8 @@ def test_backend_kernel_matches_gather_path(page_size):
     from types import SimpleNamespace
 
     from tandem.engine.attention.torch_backend import TorchAttentionBackend
-    from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+    from tandem.engine.kvcache.memory_pool import TokenToKVPool
+    from tandem.engine.kvcache.req_table import ReqToTokenPool
     from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
     torch.manual_seed(page_size)

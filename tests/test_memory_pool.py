@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 def test_alloc_extend_fills_tail_then_new_pages() -> None:

@@ -22,9 +22,9 @@ from prefix_cache_support import (
 )
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool
 from tandem.engine.kvcache.prefix_cache import NoPrefixCache, create_prefix_cache
 from tandem.engine.kvcache.radix_cache import RadixCache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 def test_match_empty_partial_full_and_miss(env: Env) -> None:

@@ -1,5 +1,8 @@
 """CacheManager: owns KV pages, request rows and the prefix cache.
 
+It is the one owner of request rows: it allocates a row when a request is first
+admitted and frees it when the request stops holding KV.
+
 The scheduler never touches the allocator or the tree directly; it asks this
 manager for slots and hands back requests that stop running. Allocation evicts
 unlocked prefix-cache leaves first when the free list is short.
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.scheduler.req import Req
 
 
@@ -106,6 +110,7 @@ class CacheManager:
             return
         self._drop_unknown_tail(req)
         self.tree.cache_finished_req(req)
+        self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_committed_len = 0
         req.last_node = None

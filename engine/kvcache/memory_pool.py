@@ -1,11 +1,7 @@
-"""The two KV memory pools of the seeds.
+"""The KV store of the seeds: TokenToKVPool, KV slot index -> per-layer K and V vectors.
+(The request -> slot table beside it is req_table.py.)
 
-    ReqToTokenPool   request slot -> token positions -> KV slot index
-    TokenToKVPool    KV slot index -> per-layer K and V vectors
-
-A request owns one row of `req_to_token`; entry `[row, pos]` is the KV slot
-holding the key/value of the request's token at position `pos`. The KV storage
-is ONE contiguous tensor for all layers so that a transfer engine (NIXL) can
+The KV storage is ONE contiguous tensor for all layers so that a transfer engine (NIXL) can
 register it with a single call:
 
     kv_buffer: (num_layers, 2, num_slots, num_kv_heads, head_dim)
@@ -23,55 +19,6 @@ import torch
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.protocol.kv_layout import KVLayout
-
-
-class ReqToTokenPool:
-    """Owns request slots: rows of the request -> KV-slot table.
-
-    A freed row is *held*, not reusable, until `reclaim()`. Under overlap a request
-    can finish while a launched batch still reads its row (the forward builds its page
-    table from `req_to_token` on the worker thread); reusing the row at once would let
-    the next batch's construction rewrite it under that forward. The scheduler reclaims
-    at the start of each result it processes, when every batch launched before the
-    frees has completed."""
-
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
-        self.size = size
-        self.max_context_len = max_context_len
-        # int32 because FlashInfer's page tables are int32 and it halves gather traffic.
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
-        self._free: list[int] = list(range(size))
-        self._held: list[int] = []
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int = 1) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        rows, self._free = self._free[:n], self._free[n:]
-        return rows
-
-    def free(self, row: int) -> None:
-        if not 0 <= row < self.size or row in self._free or row in self._held:
-            raise ValueError(f"double free or bad request slot {row}")
-        self._held.append(row)
-
-    def reclaim(self) -> None:
-        """Make held rows allocatable: no batch that could read them is still running."""
-        self._free.extend(self._held)
-        self._held.clear()
-
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
-
-    def check_integrity(self, in_use: int | None = None) -> None:
-        released = self._free + self._held
-        assert len(set(released)) == len(released), "request slot freed twice"
-        if in_use is not None:
-            assert len(released) + in_use == self.size, (
-                f"request slots leaked: free {len(released)} + in use {in_use} != {self.size}"
-            )
 
 
 class TokenToKVPool:

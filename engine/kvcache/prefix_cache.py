@@ -6,7 +6,7 @@ once they are inserted):
     admit   : match_prefix(ids[:input_len-1]) -> MatchResult; inc_lock_ref(last_node)
     prefill : caller allocates slots for [prefix_len, seq_len) in its req_to_token row
     chunk   : cache_unfinished_req(req)  -> aligned part handed to the cache, re-locked
-    finish  : cache_finished_req(req)    -> everything handed over or freed, row freed
+    finish  : cache_finished_req(req)    -> everything handed over or freed (the caller frees the row)
     memory  : evict(n) frees unlocked LRU leaves; reset() drops the whole cache
 
 Ownership rule: every KV page is owned by exactly one party, the cache or one
@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,9 @@ class PrefixCache(ABC):
     @abstractmethod
     def cache_finished_req(self, req: CacheableReq) -> None:
         """Retire a finished request: hand its aligned KV to the cache, free the rest
-        (duplicates of cached KV, the unaligned tail), free its req_to_token row and
-        unlock req.last_node. Afterwards the request owns nothing."""
+        (duplicates of cached KV, the unaligned tail) and unlock req.last_node. Afterwards
+        the request owns no KV; its req_to_token row is the caller's to free (the row
+        table has one owner, the cache manager)."""
 
     @abstractmethod
     def cache_unfinished_req(self, req: CacheableReq) -> None:
@@ -181,7 +182,6 @@ class NoPrefixCache(PrefixCache):
         # prefix_indices is always empty here, so the request owns its whole row span.
         kv_len = len(req.kv_token_ids())
         self.allocator.free(self._row_slots(req, kv_len))
-        self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool
 from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, PrefixCache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 class TreeNode:
@@ -187,7 +187,6 @@ class RadixCache(PrefixCache):
         cached = self.insert(token_ids[:aligned], slots[:aligned])
         assert prefix <= cached, "the locked prefix must still be cached"
         self.allocator.free(torch.cat([slots[prefix:cached], slots[aligned:]]))
-        self.req_to_token_pool.free(req.req_pool_idx)
         self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: CacheableReq) -> None:

@@ -13,7 +13,8 @@ import torch
 
 from tandem.engine.attention import create_backend
 from tandem.engine.kernels import cpu_plan
-from tandem.engine.kvcache.memory_pool import ReqToTokenPool, TokenToKVPool
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.runner.config import ModelConfig, RunnerConfig
