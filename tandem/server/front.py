@@ -145,7 +145,7 @@ class Front:
             self.admin_waiters.pop(rid, None)
 
     async def pool_state(self) -> list[dict[str, Any]]:
-        return [r.info for r in await self.admin(StatusReq)]
+        return sorted((r.info for r in await self.admin(StatusReq)), key=lambda p: p["dp_rank"])
 
     async def drain(self, timeout: float) -> dict[str, Any]:
         """Stop admission, let in-flight requests finish for `timeout` seconds, abort the

@@ -56,3 +56,16 @@ def test_generate_logprobs_and_rid(worker) -> None:
     assert all(len(row) == 2 for row in meta["output_top_logprobs"])
     bad = worker.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3, "regex": "a+"}})
     assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"]
+
+
+def test_dp2_worker_matches_the_engine(model_path) -> None:
+    """--dp-size 2: two scheduler processes behind one front; same greedy tokens, both pools whole."""
+    from worker_process import Worker
+
+    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=16384) as eng:
+        expected = eng.generate(PROMPTS[:8], SP)
+    with Worker.colocated(model_path("tiny"), "--dp-size", "2", "--max-total-tokens", "8192") as w:
+        got = [w.post("/generate", {"text": p, "sampling_params": SP}).json()["output_ids"] for p in PROMPTS[:8]]
+        assert got == [e["token_ids"] for e in expected]
+        state = w.pool()
+        assert [r["dp_rank"] for r in state["ranks"]] == [0, 1] and state["whole"], state
