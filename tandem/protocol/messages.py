@@ -10,7 +10,6 @@ field (`encode` / `decode`), never a pickle.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,7 +102,10 @@ def dispatch(msg: Any, table: Mapping[type, Callable[[Any], Any]]) -> Any:
 
 
 def encode(msg: Any) -> bytes:
-    return json.dumps({"v": WIRE_VERSION, "type": type(msg).__name__, "body": dataclasses.asdict(msg)}).encode()
+    # The fields are JSON values already: the instance dict serialises as it is (asdict's
+    # deep copy cost ~10 us per output, per request per step, in the scheduler process).
+    return json.dumps({"v": WIRE_VERSION, "type": type(msg).__name__, "body": msg.__dict__},
+                      separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Any:
