@@ -75,7 +75,7 @@ def _forward_case(model: str):
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 
-    runner = ModelRunner(str(resolve_model(model)), RunnerConfig(dtype="bfloat16", page_size=16,
+    runner = ModelRunner.load(str(resolve_model(model)), RunnerConfig(dtype="bfloat16", page_size=16,
                                                                  max_total_tokens=8192, max_running_requests=16))
     rng = random.Random(0)
     prompts = [[rng.randrange(10, runner.vocab_size) for _ in range(rng.randint(32, 256))] for _ in range(16)]

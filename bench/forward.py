@@ -39,7 +39,7 @@ def _ours(path: str, dtype: str, batch: int, ctx: int, fused: bool = True):
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 
-    runner = ModelRunner(path, RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
+    runner = ModelRunner.load(path, RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
                                             max_running_requests=batch))
     runner.model.enable_cpu_kernels(fused)
     sb = StaticBatch(runner)

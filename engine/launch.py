@@ -52,7 +52,9 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
         return tokenizer[0]
 
     runner = ModelRunner(model_path, config.runner_config())
-    return Scheduler(config, runner, inbox, emit, get_tokenizer, dp_rank=dp_rank)
+    memory = runner.size_kv_memory()  # the KV store: next, a PD transfer agent is handed it too
+    runner.attach(memory)
+    return Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
 
 
 def scheduler_info(sched: Any) -> dict[str, Any]:

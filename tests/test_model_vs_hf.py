@@ -36,7 +36,7 @@ def _hf(path: str, dtype: torch.dtype = torch.float32):
 def _runner(path, dtype: str = "float32", page_size: int = PAGE) -> ModelRunner:
     cfg = RunnerConfig(dtype=dtype, page_size=page_size, max_total_tokens=8192,
                        max_running_requests=16, max_context_len=1024)
-    return ModelRunner(path, cfg)
+    return ModelRunner.load(path, cfg)
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -188,7 +188,7 @@ def test_flashinfer_runner_close_to_hf_bf16(model_path, arch: str, cuda_graph: b
     path = model_path(arch)
     cfg = RunnerConfig(dtype="bfloat16", device="cuda", page_size=PAGE, max_total_tokens=8192,
                        max_running_requests=16, max_context_len=1024, disable_cuda_graph=not cuda_graph)
-    runner = ModelRunner(path, cfg)
+    runner = ModelRunner.load(path, cfg)
     assert (runner.graph_runner is not None) == cuda_graph
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)

@@ -1,7 +1,12 @@
-"""ModelRunner: owns the weights, the two KV pools and the attention backend.
+"""ModelRunner: owns the weights and the attention backend; is handed the KV memory.
 
 It turns a ForwardBatch into logits and logits into sampled ids, and knows
 nothing about requests or scheduling; the scheduler drives it.
+
+    runner = ModelRunner(path, config)        # weights only
+    memory = runner.size_kv_memory()          # or any KVMemory built elsewhere
+    runner.attach(memory)                     # attention backend, CUDA graphs
+    ModelRunner.load(path, config)            # the three steps, for tests and benchmarks
 """
 
 from __future__ import annotations
@@ -13,8 +18,7 @@ import torch
 
 from tandem.engine.attention import create_backend
 from tandem.engine.kernels import cpu_plan
-from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.runner.config import ModelConfig, RunnerConfig
@@ -24,8 +28,6 @@ from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Upper bound for an automatically sized CPU pool; explicit max_total_tokens overrides it.
-_CPU_AUTO_MAX_TOKENS = 1 << 19
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,15 +51,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 4 << 30
-
-
 class ModelRunner:
     def __init__(self, model_path: str | Path, config: RunnerConfig = RunnerConfig()) -> None:
         self.config = config
@@ -75,13 +68,28 @@ class ModelRunner:
             pack_linears(self.model)
         if self.device.type == "cpu":
             self.model.enable_cpu_kernels()
-        # Twice the running cap: rows of requests that finished in one step are held
-        # (not reusable) until the next result, while a full batch is admitted.
-        self.req_to_token_pool = ReqToTokenPool(2 * config.max_running_requests, self.max_context_len, self.device)
-        self.kv_pool = TokenToKVPool(
-            self._num_pages(), self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
-        )
+
+    @classmethod
+    def load(cls, model_path: str | Path, config: RunnerConfig = RunnerConfig()) -> ModelRunner:
+        runner = cls(model_path, config)
+        runner.attach(runner.size_kv_memory())
+        return runner
+
+    def weight_bytes(self) -> int:
+        # Packed linears keep their weights as buffers, so count both.
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+
+    def size_kv_memory(self) -> KVMemory:
+        """KV memory sized for this model on this device (kvcache/kv_memory.py)."""
+        return build_kv_memory(self.model_config, self.config, self.dtype, self.device, self.weight_bytes(),
+                               self.max_context_len)
+
+    def attach(self, memory: KVMemory) -> None:
+        """Use `memory` for every forward; builds the attention backend (and CUDA graphs) over it."""
+        self.memory = memory
+        self.req_to_token_pool = memory.req_table
+        self.kv_pool = memory.kv_pool
+        config, mc = self.config, self.model_config
         self.attn_backend = create_backend(config.attention_backend, self)
         self.graph_runner = None
         if self.device.type == "cuda" and not config.disable_cuda_graph and hasattr(self.attn_backend, "plan_decode"):
@@ -93,21 +101,6 @@ class ModelRunner:
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
             self.page_size, type(self.attn_backend).__name__,
         )
-
-    def _num_pages(self) -> int:
-        mc, cfg = self.model_config, self.config
-        if cfg.max_total_tokens is not None:
-            tokens = cfg.max_total_tokens
-        else:
-            per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=self.dtype).element_size()
-            # Packed linears keep their weights as buffers, so count both.
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            weights = sum(t.numel() * t.element_size() for t in tensors)
-            budget = _available_memory_bytes(self.device) * cfg.mem_fraction_static - weights
-            tokens = max(int(budget // per_token), 4 * self.page_size)
-            if self.device.type == "cpu":
-                tokens = min(tokens, _CPU_AUTO_MAX_TOKENS)
-        return -(-tokens // self.page_size) + 1  # +1: the reserved page 0
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.prefix_cache import create_prefix_cache
 from tandem.engine.runner.forward_batch import ForwardMode
 from tandem.engine.runner.future_map import FutureMap
@@ -55,6 +56,7 @@ class Scheduler:
         self,
         config: EngineConfig,
         runner: ModelRunner,
+        memory: KVMemory,
         inbox: queue.Queue | queue.SimpleQueue,
         emit: Callable[[list[ReqOutput]], None],
         tokenizer: Callable[[], Any],
@@ -65,9 +67,9 @@ class Scheduler:
         self.inbox = inbox
         self.dp_rank = dp_rank
         tree = create_prefix_cache(
-            config.disable_radix_cache, runner.req_to_token_pool, runner.kv_pool.allocator, runner.page_size
+            config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size
         )
-        self.cache = CacheManager(runner.req_to_token_pool, runner.kv_pool, tree)
+        self.cache = CacheManager(memory.req_table, memory.kv_pool, tree)
         self.policy = SchedulePolicy(config.schedule_policy, tree, config.enable_priority_scheduling, config.seed)
         self.prefill = PrefillManager(config, self.cache, self.policy)
         self.decode = DecodeManager(config, self.cache)
