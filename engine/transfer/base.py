@@ -1,0 +1,69 @@
+"""The KV transfer contract: one-sided WRITEs of whole KV pages into a peer's pool.
+
+Every implementation (today: NIXL, nixl_agent.py) behaves as stated here, and
+tests/test_kv_transfer.py runs the same contract test over each.
+
+    t = Transfer(name)
+    meta = t.register(pool.layout())          # once: the whole contiguous KV buffer
+    peer = t.add_peer(peer_meta, peer_layout) # once per peer (idempotent); checks layouts match
+    t.send(peer, room, src_pages, dst_pages, notify)   # starts the WRITEs, returns at once
+    t.poll()                                  # -> Events: finished sends, notifications received
+
+Side effects the callers rely on:
+- `send` moves every layer's K and V of each source page into the matching destination
+  page. The caller keeps the source pages allocated (and unmodified) until `poll` reports
+  that room's send finished, ok or not: the engine reads them asynchronously.
+- The peer receives `notify` only after all bytes of that send have landed, so a receiver
+  that has seen a room's last notification may read its pages.
+- A send that has not finished within `timeout` seconds is reported failed and its
+  resources released; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.protocol.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class SendDone:
+    room: str
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class Events:
+    sent: list[SendDone] = field(default_factory=list)
+    received: list[tuple[str, bytes]] = field(default_factory=list)  # (peer name, notify)
+
+
+class KVTransfer(ABC):
+    @abstractmethod
+    def register(self, layout: KVLayout) -> bytes:
+        """Register the local KV buffer; return this agent's metadata for peers."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+        """Know a peer (its metadata and KV layout); return its name. Raises ValueError
+        when the layouts cannot exchange pages (KVLayout.mismatch)."""
+
+    @abstractmethod
+    def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
+             notify: bytes) -> None:
+        """Start writing src_pages into the peer's dst_pages; `notify` reaches the peer after."""
+
+    @abstractmethod
+    def poll(self) -> Events:
+        """Sends finished (or failed, or timed out) since the last poll, and notifications received."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (it died or restarted); its unfinished sends are reported failed."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every handle and the registration."""

@@ -1,0 +1,126 @@
+"""KVTransfer over NIXL (UCX backend): registered CPU memory here, GPU memory on a GPU.
+
+NIXL ships one wheel per CUDA major (nixl_cu12, nixl_cu13, or the `nixl` meta package);
+whichever is installed is used. A send is one NIXL WRITE transfer of all its page runs
+(engine/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.transfer.base import Events, KVTransfer, SendDone
+from tandem.engine.transfer.pages import descriptors
+from tandem.protocol.kv_layout import KVLayout
+
+
+def nixl_api() -> Any:
+    """The nixl._api module of whichever NIXL wheel is installed."""
+    for name in ("nixl_cu12", "nixl_cu13", "nixl"):
+        try:
+            return importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+    raise ImportError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13 on CUDA 13)")
+
+
+@dataclass
+class _Pending:
+    room: str
+    peer: str
+    handle: Any
+    started: float
+
+
+class NixlTransfer(KVTransfer):
+    def __init__(self, name: str, timeout: float = 30.0, mem_type: str = "DRAM") -> None:
+        api = nixl_api()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.name = name
+        self.timeout = timeout
+        self.mem_type = mem_type  # "VRAM" when the pool is on a GPU
+        self.layout: KVLayout | None = None
+        self._reg: Any = None
+        self.peers: dict[str, KVLayout] = {}
+        self.pending: list[_Pending] = []
+        self._failed: list[SendDone] = []
+
+    def register(self, layout: KVLayout) -> bytes:
+        if self.layout is not None:
+            raise RuntimeError("the KV buffer is registered already")
+        self.layout = layout
+        descs = self.agent.get_reg_descs([(layout.base_ptr, layout.total_bytes, 0, "")], self.mem_type)
+        self._reg = self.agent.register_memory(descs)
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+        assert self.layout is not None, "register() first"
+        problems = self.layout.mismatch(layout)
+        if problems:
+            raise ValueError("KV layouts differ: " + "; ".join(problems))
+        peer = self.agent.add_remote_agent(metadata)
+        name = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self.peers[name] = layout
+        return name
+
+    def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
+             notify: bytes) -> None:
+        assert self.layout is not None, "register() first"
+        if peer not in self.peers:
+            raise KeyError(f"unknown peer {peer!r}")
+        src, dst = descriptors(self.layout, self.peers[peer], src_pages, dst_pages)
+        local = self.agent.get_xfer_descs([(a, n, 0) for a, n in src], self.mem_type)
+        remote = self.agent.get_xfer_descs([(a, n, 0) for a, n in dst], self.mem_type)
+        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            self._failed.append(SendDone(room, False, "NIXL refused the transfer"))
+            return
+        self.pending.append(_Pending(room, peer, handle, time.monotonic()))
+
+    def poll(self) -> Events:
+        events = Events(sent=self._failed)
+        self._failed = []
+        still: list[_Pending] = []
+        now = time.monotonic()
+        for p in self.pending:
+            state = self.agent.check_xfer_state(p.handle)
+            if state == "DONE":
+                events.sent.append(SendDone(p.room, True))
+            elif state == "ERR" or now - p.started > self.timeout:
+                error = "transfer failed" if state == "ERR" else f"no completion within {self.timeout:.0f} s"
+                events.sent.append(SendDone(p.room, False, error))
+            else:
+                still.append(p)
+                continue
+            self._release(p.handle)
+        self.pending = still
+        for peer, msgs in self.agent.get_new_notifs().items():
+            events.received += [(peer, m) for m in msgs]
+        return events
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # a handle of a dead peer may refuse release; it is dropped either way
+            pass
+
+    def remove_peer(self, peer: str) -> None:
+        for p in [p for p in self.pending if p.peer == peer]:
+            self._release(p.handle)
+            self._failed.append(SendDone(p.room, False, f"peer {peer} removed"))
+        self.pending = [p for p in self.pending if p.peer != peer]
+        if self.peers.pop(peer, None) is not None:
+            self.agent.remove_remote_agent(peer)
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.remove_peer(peer)
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None

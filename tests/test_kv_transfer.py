@@ -1,0 +1,129 @@
+"""The KV transfer contract (engine/transfer/base.py) over every implementation: whole
+pages of every layer's K and V land in the peer's pages, the notification arrives after
+them, nothing else is touched, mismatched layouts are refused; in one process and
+between two processes (the real NIXL/UCX path, on CPU memory)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.transfer.pages import descriptors, page_runs
+
+nixl_agent = pytest.importorskip("tandem.engine.transfer.nixl_agent")
+try:
+    nixl_agent.nixl_api()
+except ImportError:
+    pytest.skip("NIXL is not installed", allow_module_level=True)
+
+IMPLEMENTATIONS = {"nixl": nixl_agent.NixlTransfer}
+SHAPE = dict(page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def pool(num_pages: int = 16, dtype: torch.dtype = torch.bfloat16, **kw: int) -> TokenToKVPool:
+    pool = TokenToKVPool(num_pages=num_pages, dtype=dtype, device="cpu", **{**SHAPE, **kw})
+    pool.kv_buffer.zero_()
+    return pool
+
+
+def pages(p: TokenToKVPool, ids: list[int]) -> torch.Tensor:
+    P = p.page_size
+    return torch.stack([p.kv_buffer[:, :, i * P : (i + 1) * P] for i in ids], dim=2)
+
+
+def wait(t, pred, timeout: float = 20.0):
+    events_seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = t.poll()
+        events_seen.append(ev)
+        if pred(ev):
+            return ev
+        time.sleep(0.001)
+    raise TimeoutError(f"no matching event in {timeout} s: {events_seen[-1:]}")
+
+
+def test_page_runs_merge_consecutive_pages() -> None:
+    assert page_runs([3, 4, 5, 9], [10, 11, 12, 2]) == [(3, 10, 3), (9, 2, 1)]
+    assert page_runs([3, 4], [10, 12]) == [(3, 10, 1), (4, 12, 1)]
+    a, b = pool().layout(), pool(num_pages=32).layout()
+    src, dst = descriptors(a, b, [3, 4], [7, 8])
+    assert len(src) == len(dst) == SHAPE["num_layers"] * 2 and src[0] == (a.page_addr(0, 0, 3), 2 * a.page_bytes)
+    with pytest.raises(ValueError, match="page 0"):
+        descriptors(a, b, [0], [1])
+    with pytest.raises(ValueError, match="head_dim"):
+        descriptors(a, pool(head_dim=16).layout(), [1], [1])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_pages_land_with_their_notification(impl) -> None:
+    src_pool, dst_pool = pool(), pool(num_pages=24)
+    src_pool.kv_buffer.copy_(torch.randn_like(src_pool.kv_buffer, dtype=torch.float32))
+    a, b = IMPLEMENTATIONS[impl]("p-" + impl), IMPLEMENTATIONS[impl]("d-" + impl)
+    try:
+        meta_a, meta_b = a.register(src_pool.layout()), b.register(dst_pool.layout())
+        peer_b = a.add_peer(meta_b, dst_pool.layout())
+        assert b.add_peer(meta_a, src_pool.layout()) == "p-" + impl
+        src_ids, dst_ids = [3, 4, 7], [10, 11, 2]
+        a.send(peer_b, "room-1", src_ids, dst_ids, b"room-1/last")
+        ev = wait(a, lambda e: e.sent)
+        assert ev.sent[0].room == "room-1" and ev.sent[0].ok, ev.sent
+        got = wait(b, lambda e: e.received)
+        assert got.received == [("p-" + impl, b"room-1/last")]
+        assert torch.equal(pages(dst_pool, dst_ids), pages(src_pool, src_ids))
+        untouched = [i for i in range(24) if i not in dst_ids]
+        assert torch.count_nonzero(pages(dst_pool, untouched)) == 0
+        with pytest.raises(ValueError, match="dtype"):
+            a.add_peer(meta_b, pool(dtype=torch.float32).layout())
+    finally:
+        a.close()
+        b.close()
+
+
+def _decode_side(conn, src_layout_dict: dict) -> None:
+    from tandem.protocol.kv_layout import KVLayout
+
+    dst = pool(num_pages=40)
+    t = nixl_agent.NixlTransfer("decode-proc")
+    conn.send((t.register(dst.layout()), dst.layout().to_dict()))
+    peer_meta = conn.recv()
+    t.add_peer(peer_meta, KVLayout(**src_layout_dict))
+    got = wait(t, lambda e: e.received, timeout=30)
+    conn.send((got.received, pages(dst, [20, 21, 22, 5]).float().sum().item(),
+               int(torch.count_nonzero(dst.kv_buffer))))
+    t.close()
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_between_two_processes(impl) -> None:
+    from tandem.protocol.kv_layout import KVLayout
+
+    src = pool()
+    src.kv_buffer.copy_(torch.rand_like(src.kv_buffer, dtype=torch.float32) + 1)  # no zeros
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(there, src.layout().to_dict()))
+    proc.start()
+    t = IMPLEMENTATIONS[impl]("prefill-proc")
+    try:
+        meta = t.register(src.layout())
+        peer_meta, peer_layout = here.recv()
+        peer = t.add_peer(peer_meta, KVLayout(**peer_layout))
+        here.send(meta)
+        t.send(peer, "r7", [1, 2, 3, 9], [20, 21, 22, 5], b"r7")
+        assert wait(t, lambda e: e.sent).sent[0].ok
+        assert here.poll(30), "the decode process did not answer"
+        received, total, nonzero = here.recv()
+        assert received == [("prefill-proc", b"r7")]
+        assert total == pytest.approx(pages(src, [1, 2, 3, 9]).float().sum().item(), rel=1e-6)
+        assert nonzero == pages(src, [1, 2, 3, 9]).numel()  # nothing else was written
+    finally:
+        t.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
