@@ -17,6 +17,9 @@ Side effects the callers rely on:
   that has seen a room's last notification may read its pages.
 - A send that has not finished within `timeout` seconds is reported failed and its
   resources released; nothing waits forever.
+- Transfers advance while `poll` is called, on both sides: a sender until its sends are
+  reported, a receiver until the notifications it waits for arrive (decode's transfer
+  queue polls every loop iteration while it has requests in it). No core spins otherwise.
 """
 
 from __future__ import annotations
