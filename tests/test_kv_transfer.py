@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.transfer.base import Events
 from tandem.engine.transfer.pages import descriptors, page_runs
 
 nixl_agent = pytest.importorskip("tandem.engine.transfer.nixl_agent")
@@ -35,16 +36,30 @@ def pages(p: TokenToKVPool, ids: list[int]) -> torch.Tensor:
     return torch.stack([p.kv_buffer[:, :, i * P : (i + 1) * P] for i in ids], dim=2)
 
 
-def wait(t, pred, timeout: float = 20.0):
-    events_seen = []
+def wait(t, pred, timeout: float = 20.0, also: tuple = ()):
+    """Poll `t` until pred(its events so far); `also` are polled too (and their events kept
+    in `backlog`): transfers advance only while both sides poll."""
+    got = Events()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ev = t.poll()
-        events_seen.append(ev)
-        if pred(ev):
-            return ev
+        got.sent += ev.sent
+        got.received += ev.received
+        for other in also:
+            extra = other.poll()
+            backlog.setdefault(id(other), Events()).sent.extend(extra.sent)
+            backlog[id(other)].received.extend(extra.received)
+        if pred(got):
+            return got
         time.sleep(0.001)
-    raise TimeoutError(f"no matching event in {timeout} s: {events_seen[-1:]}")
+    raise TimeoutError(f"no matching event in {timeout} s: {got}")
+
+
+backlog: dict[int, Events] = {}
+
+
+def take_backlog(t) -> Events:
+    return backlog.pop(id(t), Events())
 
 
 def test_page_runs_merge_consecutive_pages() -> None:
@@ -70,9 +85,10 @@ def test_pages_land_with_their_notification(impl) -> None:
         assert b.add_peer(meta_a, src_pool.layout()) == "p-" + impl
         src_ids, dst_ids = [3, 4, 7], [10, 11, 2]
         a.send(peer_b, "room-1", src_ids, dst_ids, b"room-1/last")
-        ev = wait(a, lambda e: e.sent)
+        ev = wait(a, lambda e: e.sent, also=(b,))
         assert ev.sent[0].room == "room-1" and ev.sent[0].ok, ev.sent
-        got = wait(b, lambda e: e.received)
+        early = take_backlog(b)
+        got = early if early.received else wait(b, lambda e: e.received, also=(a,))
         assert got.received == [("p-" + impl, b"room-1/last")]
         assert torch.equal(pages(dst_pool, dst_ids), pages(src_pool, src_ids))
         untouched = [i for i in range(24) if i not in dst_ids]
