@@ -65,8 +65,10 @@ async def run_choice(front: Front, choice: Choice) -> AsyncIterator[Delta]:
         while True:
             out = await choice.stream.next()
             reason = out.finish_reason or {}
-            if out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0:
-                # Refused or aborted before its first token: an error, not an empty answer.
+            if (out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0
+                    and not choice.stream.aborted):
+                # Refused by the scheduler before its first token: an error, not an empty answer.
+                # (One aborted on purpose, by /abort_request or a drain, answers finish_reason abort.)
                 raise ApiError(503 if front.draining else 400, reason.get("message") or "request aborted")
             yield Delta(choice.index, choice.text.feed(out.token_ids, out.finished), out.token_ids, out)
             if out.finished:

@@ -38,6 +38,7 @@ class Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     finished: bool = False
+    aborted: bool = False  # by /abort_request or a drain: its abort is an answer, not an error
     first_token: float | None = None
     last_token: float | None = None
 
@@ -123,10 +124,12 @@ class Front:
             self.client.send(AbortReq(stream.rid))
 
     def abort(self, rid: str) -> bool:
-        if rid in self.active:
-            self.client.send(AbortReq(rid))
-            return True
-        return False
+        stream = self.active.get(rid)
+        if stream is None:
+            return False
+        stream.aborted = True
+        self.client.send(AbortReq(rid))
+        return True
 
     # ---- admin --------------------------------------------------------------------------------------
     async def admin(self, make: Callable[[str], Any], timeout: float = 30.0) -> list[AdminResult]:
