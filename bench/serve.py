@@ -151,10 +151,11 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     ours = Worker(["serve", "--model", model_dir, "--served-model-name", args.model, "--dtype", args.dtype,
                    *args.tandem_arg])
-    ours.wait_ready()
-    peer = VllmOpenAIServer(model_dir, args.dtype, args.model) if args.mode == "vllm" else None
+    peer = None
     rows = []
     try:
+        ours.wait_ready()
+        peer = VllmOpenAIServer(model_dir, args.dtype, args.model) if args.mode == "vllm" else None
         warm = throughput_workload(n=args.requests, seed=1000)  # every batch shape's first-call costs, unmeasured
         for server, other in ((ours, peer), (peer, ours)):
             if server is not None:

@@ -40,6 +40,10 @@ from tandem.protocol.messages import (
 from tandem.worker_contract import COLOCATED
 
 
+class RankUnreachable(RuntimeError):
+    """A scheduler rank's process is gone; messages to it cannot be delivered."""
+
+
 class DPBudget:
     def __init__(self, dp_size: int) -> None:
         self.dp_size = dp_size
@@ -152,12 +156,23 @@ class DataParallelController:
             self.emit(outs)
 
     def send(self, msg: Any) -> None:
-        """Admin commands go to every rank (each answers); requests follow the route table."""
+        """Admin commands go to every rank (each answers); requests follow the route table.
+        Raises RankUnreachable instead of blocking when a rank is gone."""
         if is_admin(msg):
-            for s in self.pushes:
-                s.send(encode(msg))
+            for rank in range(len(self.pushes)):
+                self._push(rank, msg)
         else:
             dispatch(msg, self._routes)
+
+    def _push(self, rank: int, msg: Any) -> None:
+        # A PUSH socket whose peer died has no pipe left, and a blocking send would wait
+        # forever (it once hung a server's shutdown, and would hang its event loop).
+        try:
+            self.pushes[rank].send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            if self.error is None:
+                self.error = RankUnreachable(f"scheduler rank {rank} is not reachable")
+            raise RankUnreachable(f"scheduler rank {rank} is not reachable") from None
 
     def _send_generate(self, msg: GenerateReq) -> None:
         tokens = len(msg.input_ids) + int(msg.sampling.get("max_new_tokens", 128))
@@ -165,20 +180,24 @@ class DataParallelController:
             rank = self.budget.dispatch(self.config.load_balance_method, msg)
             self.budget.add(rank, tokens)
             self.owner[msg.rid] = (rank, tokens)
-        self.pushes[rank].send(encode(msg))
+        self._push(rank, msg)
 
     def _send_abort(self, msg: AbortReq) -> None:
         with self._lock:
             rank = self.owner.get(msg.rid, (None, 0))[0]
-        for i, s in enumerate(self.pushes):
+        for i in range(len(self.pushes)):
             if rank is None or i == rank:
-                s.send(encode(msg))
+                self._push(i, msg)
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.send(ShutdownReq())
+        for rank in range(len(self.pushes)):
+            try:
+                self._push(rank, ShutdownReq())
+            except RankUnreachable:  # already gone: nothing to stop
+                pass
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():

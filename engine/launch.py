@@ -137,8 +137,15 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
         push.close(linger=2000)
         raise
 
+    parent = os.getppid()
+
     def pump() -> None:
         while True:
+            if not pull.poll(1000):
+                if os.getppid() != parent:  # the front died without a ShutdownReq: do not linger
+                    inbox.put(ShutdownReq())
+                    return
+                continue
             msg = decode(pull.recv())
             inbox.put(msg)
             if isinstance(msg, ShutdownReq):

@@ -116,19 +116,30 @@ class Front:
         if rid in self.active:
             raise ApiError(400, f"request id {rid!r} is already in flight", param="rid")
         stream = self.active[rid] = Stream(rid)
-        self.client.send(GenerateReq(rid, list(input_ids), sampling, **bootstrap))
+        try:
+            self.client.send(GenerateReq(rid, list(input_ids), sampling, **bootstrap))
+        except RuntimeError as exc:  # a rank is gone (the client raises rather than block)
+            del self.active[rid]
+            raise ApiError(503, f"the scheduler is not running: {exc}") from None
         return stream
 
     def close(self, stream: Stream) -> None:
         if self.active.pop(stream.rid, None) is not None and not stream.finished and self.error is None:
-            self.client.send(AbortReq(stream.rid))
+            self._send_quietly(AbortReq(stream.rid))
+
+    def _send_quietly(self, msg: Any) -> None:
+        """Best-effort sends (aborts): a dead scheduler has nothing left to abort."""
+        try:
+            self.client.send(msg)
+        except RuntimeError:
+            pass
 
     def abort(self, rid: str) -> bool:
         stream = self.active.get(rid)
         if stream is None:
             return False
         stream.aborted = True
-        self.client.send(AbortReq(rid))
+        self._send_quietly(AbortReq(rid))
         return True
 
     # ---- admin --------------------------------------------------------------------------------------
@@ -142,6 +153,8 @@ class Front:
         try:
             self.client.send(make(rid))
             return await asyncio.wait_for(fut, timeout)
+        except RuntimeError as exc:
+            raise ApiError(503, f"the scheduler is not running: {exc}") from None
         except TimeoutError:
             raise ApiError(503, f"the scheduler did not answer within {timeout:.0f} s") from None
         finally:

@@ -117,3 +117,28 @@ def test_drain_with_requests_in_flight(model_path, how) -> None:
         assert "KV pool whole" in w.output(), w.output()
     finally:
         w.stop()
+
+
+def test_dead_scheduler_fails_fast_and_sigterm_still_exits(model_path) -> None:
+    """The scheduler process killed: probes and requests answer 503 (nothing hangs), and the
+    front still exits on SIGTERM (its shutdown once blocked on a send to the dead rank)."""
+    from pathlib import Path
+
+    w = Worker.colocated(model_path("tiny")).wait_ready()
+    try:
+        children = [int(c) for t in Path(f"/proc/{w.proc.pid}/task").iterdir()
+                    for c in (t / "children").read_text().split()]
+        scheduler = next(c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text())
+        import os
+
+        os.kill(scheduler, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while w.get("/health").status_code != 503:
+            assert time.monotonic() < deadline, "health still 200 with the scheduler dead"
+            time.sleep(0.1)
+        r = w.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(30) is not None
+    finally:
+        w.stop()
