@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tandem import Engine
+from tandem.engine.scheduler import admin
 from tandem.protocol.messages import FlushCacheReq
 
 
@@ -112,7 +113,7 @@ def test_flush_right_after_a_prefill_is_busy_not_fatal(model_path, overlap: bool
     def flush_after_prefill(batch, result):  # on the scheduler thread: exact timing
         plain(batch, result)
         if batch.mode.is_extend() and not replies:
-            replies.append(sched.flush_cache(FlushCacheReq("probe")))
+            replies.append(admin.flush_cache(sched, FlushCacheReq("probe")))
 
     sched.process_batch_result = flush_after_prefill
     try:

@@ -146,9 +146,11 @@ class CacheManager:
 
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """With no request running: every page in use belongs to the prefix cache."""
+        """With no request running: every page in use belongs to the prefix cache, and
+        nothing locks a cached prefix any more. Passing means the pool is whole."""
         self.req_to_token_pool.reclaim()
         self.tree.check_integrity()
+        assert self.tree.protected_size() == 0, f"{self.tree.protected_size()} cached tokens still locked"
         self.allocator.check_integrity(in_use_pages=self.tree.cached_pages())
         self.req_to_token_pool.check_integrity(in_use=0)
 

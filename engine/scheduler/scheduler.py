@@ -16,6 +16,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from tandem.engine.runner.forward_batch import ForwardMode
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
+from tandem.engine.scheduler import admin
 from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
@@ -38,7 +40,6 @@ from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 from tandem.protocol.messages import (
     AbortReq,
-    AdminResult,
     FlushCacheReq,
     GenerateReq,
     ReqOutput,
@@ -82,10 +83,11 @@ class Scheduler:
             self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests, runner.device))
         self.last_batch: ScheduleBatch | None = None
         self.running = True
-        self._idle_checked = False
+        self.idle_checked = False
         self.reqs: dict[str, Req] = {}
         self.request_handlers = {GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
-        self.admin_handlers = {FlushCacheReq: self.flush_cache, StatusReq: self.status, ShutdownReq: self.shutdown}
+        self.admin_handlers = {FlushCacheReq: partial(admin.flush_cache, self), StatusReq: partial(admin.status, self),
+                               ShutdownReq: self.shutdown}
 
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
@@ -127,40 +129,6 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is not None and not req.finished():
             req.to_finish = finish_abort("aborted by client")  # applied at its next result
-
-    def flush_cache(self, msg: FlushCacheReq) -> AdminResult:
-        """Drop the prefix cache when idle; report whether the pool is whole afterwards."""
-        if not self.idle():
-            return AdminResult(msg.rid, False, {"error": "busy: requests are running"})
-        try:
-            self.cache.tree.reset()
-        except (AssertionError, RuntimeError) as exc:  # an admin call must never kill the scheduler
-            return AdminResult(msg.rid, False, {"error": f"flush failed: {exc}"})
-        info = self.pool_state()
-        return AdminResult(msg.rid, bool(info["whole"]), info)
-
-    def status(self, msg: StatusReq) -> AdminResult:
-        return AdminResult(msg.rid, True, self.pool_state())
-
-    def pool_state(self) -> dict[str, Any]:
-        """Load and pool sizes; when idle also `whole`: the integrity check passed and every
-        page is free or held by the prefix cache (nothing leaked). None while busy."""
-        free, cap = self.cache.allocator.available_size(), self.cache.capacity_tokens()
-        cached = self.cache.tree.total_size()
-        info: dict[str, Any] = {
-            "dp_rank": self.dp_rank, "idle": self.idle(), "free_tokens": free, "cached_tokens": cached,
-            "capacity_tokens": cap, "num_waiting": len(self.prefill.waiting_queue),
-            "num_running": sum(not r.finished() for r in self.decode.reqs), "kv_usage": self.cache.usage(),
-            "whole": None,
-            "metrics": self.metrics.snapshot(),
-        }
-        if info["idle"]:
-            try:
-                self.cache.check_integrity()
-                info["whole"] = free + cached == cap and self.cache.tree.protected_size() == 0
-            except AssertionError as exc:
-                info["whole"], info["error"] = False, f"integrity check failed: {exc}"
-        return info
 
     # ---- batch construction ----------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
@@ -217,7 +185,7 @@ class Scheduler:
 
     # ---- running ----------------------------------------------------------------------------------
     def record_step(self, batch: ScheduleBatch) -> None:
-        self._idle_checked = False
+        self.idle_checked = False
         self.metrics.on_launch(batch)
         self.metrics.on_step(len(self.prefill.waiting_queue), len(self.decode.reqs), self.cache.usage())
 
@@ -241,9 +209,9 @@ class Scheduler:
 
     def self_check_during_idle(self) -> None:
         """On entering idle: reset congestion control and check the pools, once."""
-        if not self.idle() or self._idle_checked:
+        if not self.idle() or self.idle_checked:
             return
-        self._idle_checked = True
+        self.idle_checked = True
         self.metrics.mark_idle()
         self.decode.new_token_ratio = self.decode.init_new_token_ratio
         self.cache.check_integrity()
