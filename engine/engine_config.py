@@ -52,6 +52,18 @@ class EngineConfig:
     clip_max_new_tokens: int = 4096
     seed: int = 0
     log_level: str = "warning"
+    # Prefill/decode disaggregation (prefill/, decode/, docs/pd.md). The server sets the
+    # bootstrap address from --host/--bootstrap-port; the rest are flags and engine YAML keys.
+    pd_bootstrap_host: str = "127.0.0.1"
+    pd_bootstrap_port: int = 8998
+    pd_prefill_peers: str | None = None  # decode: "host:port,..." handshaken at start (readiness)
+    pd_heartbeat_interval: float = 2.0
+    pd_heartbeat_timeout: float = 10.0  # a silent peer is dead after this
+    pd_bootstrap_timeout: float = 30.0  # a request waits this long for its peer's handshake/pages
+    pd_prealloc_timeout: float = 300.0  # decode: for room in a full pool
+    pd_transfer_timeout: float = 60.0  # decode: from pages sent to the last KV chunk landing
+    pd_local_prefill_threshold: int = 32  # decode prefills itself at most this many uncached tokens
+    disable_pd_decode_prefix_reuse: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:

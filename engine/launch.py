@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.protocol.messages import AdminResult, ShutdownReq, decode, encode
-from tandem.worker_contract import COLOCATED, WORKER_ROLES
+from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
 
 Emit = Callable[[list[Any]], None]
 
@@ -34,9 +34,8 @@ class SchedulerClient(Protocol):
 
 def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emit,
                     role: str = COLOCATED, dp_rank: int = 0) -> Any:
-    """Load the model and wire a Scheduler for `role`. Prefill and decode are the
-    colocated scheduler plus their transfer parts, composed in by the PD issue;
-    until then they run the colocated scheduler and their front refuses generation."""
+    """Load the model and wire a Scheduler for `role`: prefill and decode are the
+    colocated scheduler plus their transfer part (prefill/role.py, decode/role.py)."""
     from transformers import AutoTokenizer
 
     from tandem.engine.runner.model_runner import ModelRunner
@@ -52,9 +51,18 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
         return tokenizer[0]
 
     runner = ModelRunner(model_path, config.runner_config())
-    memory = runner.size_kv_memory()  # the KV store: next, a PD transfer agent is handed it too
+    memory = runner.size_kv_memory()
     runner.attach(memory)
-    return Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
+    sched = Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
+    if role == PREFILL:
+        from tandem.prefill.role import attach
+
+        attach(sched, model_path)
+    elif role == DECODE:
+        from tandem.decode.role import attach as attach_decode
+
+        attach_decode(sched, model_path)
+    return sched
 
 
 def scheduler_info(sched: Any) -> dict[str, Any]:

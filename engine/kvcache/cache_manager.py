@@ -115,6 +115,19 @@ class CacheManager:
         req.kv_committed_len = 0
         req.last_node = None
 
+    def discard(self, req: Req) -> None:
+        """The request stops holding KV that must not be cached (pages reserved for a KV
+        transfer that never completed): its own pages are freed, its prefix unlocked."""
+        if req.req_pool_idx is None:
+            return
+        prefix = len(req.prefix_indices)  # page-aligned: the rest of the row is whole pages
+        self.allocator.free(self.req_to_token[req.req_pool_idx, prefix : req.kv_committed_len].to(torch.int64))
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_committed_len = 0
+        req.last_node = None
+
     def _drop_unknown_tail(self, req: Req) -> None:
         """Under overlap a request can stop (abort) while a step that writes KV for a
         token it never received is in flight. Trim the row to the known tokens; pages

@@ -40,4 +40,5 @@ def pool_state(sched: Scheduler) -> dict[str, Any]:
         "capacity_tokens": sched.cache.capacity_tokens(), "num_waiting": len(sched.prefill.waiting_queue),
         "num_running": sum(not r.finished() for r in sched.decode.reqs), "kv_usage": sched.cache.usage(),
         "metrics": sched.metrics.snapshot(),
+        "pd": sched.part.status() if sched.part is not None else None,
     }

@@ -33,6 +33,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # loaded lazily: only stop strings need it
         self.emit = emit
         self.on_finish: Callable[[Req], None] = lambda req: None
+        # How a finished request gives back its KV; the prefill role defers it until the
+        # request's KV has been sent (prefill/sender.py).
+        self.release: Callable[[Req], None] = cache.release
 
     # ---- per batch ------------------------------------------------------------------------------
     def process_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -44,7 +47,7 @@ class OutputProcessor:
                 if i < batch.num_extend_reqs and req.is_chunked > 0:
                     req.is_chunked -= 1  # a middle chunk: its sample is meaningless
                     if req.to_finish is not None:
-                        self._finish(req, req.to_finish)
+                        self.finish(req, req.to_finish)
                         outs.append(req)
                     else:
                         self.cache.cache_unfinished(req)
@@ -68,7 +71,7 @@ class OutputProcessor:
     # ---- per request ----------------------------------------------------------------------------
     def _append(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         if req.to_finish is not None:
-            self._finish(req, req.to_finish)
+            self.finish(req, req.to_finish)
             return
         token = result.next_token_ids[i]
         now = time.monotonic()
@@ -83,7 +86,7 @@ class OutputProcessor:
                 req.top_logprobs.append(result.top_logprobs[i][:n])
         reason = self.check_finished(req, token)
         if reason is not None:
-            self._finish(req, reason)
+            self.finish(req, reason)
 
     def check_finished(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -101,11 +104,11 @@ class OutputProcessor:
             return finish_length(sp.max_new_tokens)
         return None
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
         req.to_finish = None
         req.status = ReqStatus.FINISHED
-        self.cache.release(req)
+        self.release(req)
         self.on_finish(req)
 
     # ---- output ---------------------------------------------------------------------------------

@@ -85,15 +85,25 @@ class Scheduler:
         self.running = True
         self.idle_checked = False
         self.reqs: dict[str, Req] = {}
-        self.request_handlers = {GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
+        self.part: Any = None  # the prefill or decode role's transfer part (attach)
+        self.request_handlers: dict[type, Callable[[Any], Any]] = {
+            GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
         self.admin_handlers = {FlushCacheReq: partial(admin.flush_cache, self), StatusReq: partial(admin.status, self),
                                ShutdownReq: self.shutdown}
+
+    def attach(self, part: Any) -> None:
+        """Compose in a role's transfer part (prefill/sender.py, decode/receiver.py): it takes
+        the requests it admits, handles its own inbox messages, and is polled every loop."""
+        self.part = part
+        self.request_handlers.update(part.handlers)
 
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
         msgs = []
+        # Waiting only on a KV transfer: wake often to poll it, without spinning a core.
+        timeout = 0.05 if block else 0.002 if self.part is not None and self.only_transfers() else 0
         try:
-            msgs.append(self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait())
+            msgs.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             while True:
                 msgs.append(self.inbox.get_nowait())
         except queue.Empty:
@@ -108,6 +118,8 @@ class Scheduler:
                     self.output.emit([result])
             else:
                 dispatch(msg, self.request_handlers)
+        if self.part is not None:
+            self.part.poll()
 
     def add_request(self, msg: GenerateReq) -> None:
         req, error = build_req(msg, self.runner, self.config)
@@ -115,12 +127,15 @@ class Scheduler:
             self.output.emit([error])
             return
         self.reqs[req.rid] = req
-        self.prefill.add(req)
+        if self.part is None or not self.part.admit(req, msg):
+            self.prefill.add(req)
 
     def shutdown(self, msg: ShutdownReq) -> None:
         self.running = False
 
     def abort(self, rid: str) -> None:
+        if self.part is not None and self.part.abort(rid):
+            return
         req = self.prefill.abort_waiting(rid)
         if req is not None:
             self.output.stream([req])
@@ -201,6 +216,8 @@ class Scheduler:
             self.output.process_decode(batch, result)
         else:
             self.output.process_prefill(batch, result)
+        if self.part is not None:
+            self.part.on_batch_done(batch)
         if self.prefill.chunked_req is not None and self.prefill.chunked_req.finished():
             self.prefill.chunked_req = None
         for r in batch.reqs:
@@ -215,6 +232,8 @@ class Scheduler:
         self.metrics.mark_idle()
         self.decode.new_token_ratio = self.decode.init_new_token_ratio
         self.cache.check_integrity()
+        if self.part is not None:
+            self.part.check_integrity()
 
     # ---- loops ----------------------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -222,7 +241,11 @@ class Scheduler:
         place that sees them all: waiting, chunked, running, and those of a prefill
         batch just processed but not yet merged into the running set (a flush landing
         there once found their prefix locks and died)."""
-        return all(r.finished() for r in self.reqs.values())
+        return all(r.finished() for r in self.reqs.values()) and (self.part is None or not self.part.busy())
+
+    def only_transfers(self) -> bool:
+        """Nothing to compute now, but the role part holds requests (KV in flight)."""
+        return not (self.prefill.runnable() or self.decode.runnable()) and self.part.busy()
 
     def event_loop_normal(self) -> None:
         while self.running:

@@ -4,14 +4,16 @@ Every implementation (today: NIXL, nixl_agent.py) behaves as stated here, and
 tests/test_kv_transfer.py runs the same contract test over each.
 
     t = Transfer(name)
-    meta = t.register(pool.layout())          # once: the whole contiguous KV buffer
-    peer = t.add_peer(peer_meta, peer_layout) # once per peer (idempotent); checks layouts match
-    t.send(peer, room, src_pages, dst_pages, notify)   # starts the WRITEs, returns at once
+    meta = t.register(pool.layout(), slots)   # once: the KV buffer (+ first-token slots)
+    peer = t.add_peer(peer_meta, peer_layout, peer_slots)  # once per peer; checks layouts match
+    t.send(peer, room, src_pages, dst_pages, notify, slot=(src, dst))  # starts the WRITEs
     t.poll()                                  # -> Events: finished sends, notifications received
 
 Side effects the callers rely on:
 - `send` moves every layer's K and V of each source page into the matching destination
-  page. The caller keeps the source pages allocated (and unmodified) until `poll` reports
+  page, and with `slot` one first-token slot (tandem.protocol.pd.MetaRegion), in the
+  same transfer: the notification covers both. The caller keeps the source pages
+  allocated (and unmodified) until `poll` reports
   that room's send finished, ok or not: the engine reads them asynchronously.
 - The peer receives `notify` only after all bytes of that send have landed, so a receiver
   that has seen a room's last notification may read its pages.
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.protocol.kv_layout import KVLayout
+from tandem.protocol.pd import MetaRegion
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,17 @@ class Events:
 
 class KVTransfer(ABC):
     @abstractmethod
-    def register(self, layout: KVLayout) -> bytes:
-        """Register the local KV buffer; return this agent's metadata for peers."""
+    def register(self, layout: KVLayout, slots: MetaRegion | None = None) -> bytes:
+        """Register the local KV buffer (and first-token slots); return this agent's metadata."""
 
     @abstractmethod
-    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: KVLayout, slots: MetaRegion | None = None) -> str:
         """Know a peer (its metadata and KV layout); return its name. Raises ValueError
         when the layouts cannot exchange pages (KVLayout.mismatch)."""
 
     @abstractmethod
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
-             notify: bytes) -> None:
+             notify: bytes, slot: tuple[int, int] | None = None) -> None:
         """Start writing src_pages into the peer's dst_pages; `notify` reaches the peer after."""
 
     @abstractmethod

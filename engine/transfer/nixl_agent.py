@@ -16,6 +16,7 @@ from typing import Any
 from tandem.engine.transfer.base import Events, KVTransfer, SendDone
 from tandem.engine.transfer.pages import descriptors
 from tandem.protocol.kv_layout import KVLayout
+from tandem.protocol.pd import MetaRegion
 
 
 def nixl_api() -> Any:
@@ -49,35 +50,48 @@ class NixlTransfer(KVTransfer):
         self.timeout = timeout
         self.mem_type = mem_type  # "VRAM" when the pool is on a GPU
         self.layout: KVLayout | None = None
+        self.slots: MetaRegion | None = None
         self._reg: Any = None
-        self.peers: dict[str, KVLayout] = {}
+        self.peers: dict[str, tuple[KVLayout, MetaRegion | None]] = {}
         self.pending: list[_Pending] = []
         self._failed: list[SendDone] = []
 
-    def register(self, layout: KVLayout) -> bytes:
+    def register(self, layout: KVLayout, slots: MetaRegion | None = None) -> bytes:
         if self.layout is not None:
             raise RuntimeError("the KV buffer is registered already")
-        self.layout = layout
-        descs = self.agent.get_reg_descs([(layout.base_ptr, layout.total_bytes, 0, "")], self.mem_type)
+        self.layout, self.slots = layout, slots
+        regions = [(layout.base_ptr, layout.total_bytes, 0, "")]
+        if slots is not None:
+            regions.append((slots.addr, slots.slot_bytes * slots.slots, 0, ""))
+        descs = self.agent.get_reg_descs(regions, self.mem_type)
         self._reg = self.agent.register_memory(descs)
         return self.agent.get_agent_metadata()
 
-    def add_peer(self, metadata: bytes, layout: KVLayout) -> str:
+    def add_peer(self, metadata: bytes, layout: KVLayout, slots: MetaRegion | None = None) -> str:
         assert self.layout is not None, "register() first"
         problems = self.layout.mismatch(layout)
         if problems:
             raise ValueError("KV layouts differ: " + "; ".join(problems))
         peer = self.agent.add_remote_agent(metadata)
         name = peer.decode() if isinstance(peer, bytes) else str(peer)
-        self.peers[name] = layout
+        self.peers[name] = (layout, slots)
         return name
 
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
-             notify: bytes) -> None:
+             notify: bytes, slot: tuple[int, int] | None = None) -> None:
         assert self.layout is not None, "register() first"
         if peer not in self.peers:
             raise KeyError(f"unknown peer {peer!r}")
-        src, dst = descriptors(self.layout, self.peers[peer], src_pages, dst_pages)
+        peer_layout, peer_slots = self.peers[peer]
+        src, dst = descriptors(self.layout, peer_layout, src_pages, dst_pages)
+        if slot is not None:
+            if self.slots is None or peer_slots is None or self.slots.slot_bytes != peer_slots.slot_bytes:
+                raise ValueError("first-token slots are not registered on both sides, or differ in size")
+            if not (0 <= slot[0] < self.slots.slots and 0 <= slot[1] < peer_slots.slots):
+                raise ValueError(f"slot {slot} outside the registered slots")
+            n = self.slots.slot_bytes
+            src.append((self.slots.addr + slot[0] * n, n))
+            dst.append((peer_slots.addr + slot[1] * n, n))
         local = self.agent.get_xfer_descs([(a, n, 0) for a, n in src], self.mem_type)
         remote = self.agent.get_xfer_descs([(a, n, 0) for a, n in dst], self.mem_type)
         handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)

@@ -25,7 +25,21 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Bootstrap(_Body):
+    """PD routing (SGLang's fields): the router sends the same body to a prefill and a
+    decode worker; the room names the request on both. Job i of a batch or of `n`
+    choices is room + i on both sides."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
+
+    def bootstrap(self) -> dict[str, Any]:
+        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": self.bootstrap_room}
+
+
+class _Sampling(_Bootstrap):
     """What completions and chat share."""
 
     model: str
@@ -176,7 +190,7 @@ class GenerateSampling(BaseModel):
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Bootstrap):
     """SGLang's native /generate (what sgl-router forwards to a worker)."""
 
     text: str | list[str] | None = None
@@ -187,9 +201,6 @@ class GenerateRequest(_Body):
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     logprob_start_len: int = -1
     rid: str | None = Field(default=None, min_length=1, max_length=256)
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:

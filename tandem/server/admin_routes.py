@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from tandem.protocol.messages import FlushCacheReq
 from tandem.server.errors import ApiError, error_response
 from tandem.server.runtime import Runtime
-from tandem.worker_contract import DRAIN_PATH, HEALTH_PATH, METRICS_PATH, READY_PATH
+from tandem.worker_contract import COLOCATED, DECODE, DRAIN_PATH, HEALTH_PATH, METRICS_PATH, READY_PATH
 
 router = APIRouter()
 
@@ -45,7 +45,7 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     rt = _rt(request)
-    if not rt.config.generates:
+    if not rt.config.standalone:
         return await health(request)
     stream = rt.front.open([rt.tokens.vocab_size // 2], {"max_new_tokens": 1, "temperature": 0.0})
     try:
@@ -63,6 +63,10 @@ async def ready(request: Request) -> Response:
     rt = _rt(request)
     if not rt.ready or rt.front.draining or rt.front.error is not None:
         return error_response(503, "draining" if rt.front.draining else "not ready")
+    if rt.config.role == DECODE:  # ready once a prefill peer's handshake holds (re-checked by heartbeats)
+        pools = await rt.front.pool_state()
+        if not all(p["pd"]["ready"] for p in pools):
+            return error_response(503, "no prefill peer handshake yet: " + str([p["pd"]["peers"] for p in pools]))
     return Response(status_code=200)
 
 
@@ -71,7 +75,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     rt = _rt(request)
     engine = dataclasses.asdict(rt.config.engine)
     return {**engine, "model_path": rt.config.model_path, "served_model_name": rt.config.served_model_name,
-            "role": rt.config.role, "disaggregation_mode": "null" if rt.config.generates else rt.config.role,
+            "role": rt.config.role, "disaggregation_mode": "null" if rt.config.role == COLOCATED else rt.config.role,
             "host": rt.config.host, "port": rt.config.port, "bootstrap_port": rt.config.bootstrap_port,
             "limits": rt.front.info, "version": "tandem-0.1.0"}
 

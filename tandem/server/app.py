@@ -44,7 +44,7 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
         front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe)
         rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics)
         log.info("scheduler ready in %.1f s: %s", time.monotonic() - t0, front.info)
-        if config.generates:
+        if config.standalone:
             await _warm_up(rt)
         rt.ready = True
         log.info("ready in %.1f s: serving %r on http://%s:%d", time.monotonic() - t0,

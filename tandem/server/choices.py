@@ -50,7 +50,9 @@ def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[
     try:
         for i, (ids, sp) in enumerate(jobs):
             stops = sp.get("stop") or ()
-            stream = front.open(ids, sp, rid=rid if len(jobs) == 1 else None, **bootstrap)
+            room = bootstrap.get("bootstrap_room")
+            job_bootstrap = {**bootstrap, "bootstrap_room": None if room is None else (room + i) % 2**63}
+            stream = front.open(ids, sp, rid=rid if len(jobs) == 1 else None, **job_bootstrap)
             choices.append(Choice(i, stream, TextStream(tokens.tok, (stops,) if isinstance(stops, str)
                                                         else tuple(stops)), len(ids)))
     except BaseException:

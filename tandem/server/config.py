@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.worker_contract import COLOCATED, ENV_POD_IP, KvTransfer, add_worker_arguments, kv_from_env
+from tandem.worker_contract import ENV_POD_IP, PREFILL, KvTransfer, add_worker_arguments, kv_from_env
 
 ENV_API_KEY = "TANDEM_API_KEY"
 
@@ -41,9 +41,10 @@ class ServerConfig:
         return self.engine.max_running_requests * self.engine.dp_size + self.max_queued_requests
 
     @property
-    def generates(self) -> bool:
-        """Prefill and decode serve generation once the PD issue composes their transfer parts in."""
-        return self.role == COLOCATED
+    def standalone(self) -> bool:
+        """Serves a request on its own: colocated, or decode (which prefills what no prefill
+        worker sends it). A prefill worker needs a decode peer for every request."""
+        return self.role != PREFILL
 
 
 def _engine_flag_type(f: dataclasses.Field) -> type | None:
@@ -57,7 +58,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Every EngineConfig option as --<name-with-dashes>; given flags override the YAML."""
     g = p.add_argument_group("engine options (SGLang's names)")
     for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
+        if f.name in ("model", "pd_bootstrap_host", "pd_bootstrap_port"):  # from --host/--bootstrap-port
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _engine_flag_type(f)
@@ -96,7 +97,8 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.env
         engine, kv = EngineConfig.from_kwargs(model=ns.model, **overrides), None
     return ServerConfig(
         role=ns.role, model_path=resolve_model(ns.model), served_model_name=ns.served_model_name or ns.model,
-        engine=engine, host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
+        engine=dataclasses.replace(engine, pd_bootstrap_host=ns.host, pd_bootstrap_port=ns.bootstrap_port),
+        host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
         api_key=ns.api_key or environ.get(ENV_API_KEY) or None, max_queued_requests=ns.max_queued_requests,
         max_request_bytes=ns.max_request_bytes, drain_timeout=ns.drain_timeout, pod_ip=environ.get(ENV_POD_IP),
         kv_transfer=kv_from_env(environ) or kv,

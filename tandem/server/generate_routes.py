@@ -54,7 +54,7 @@ def _meta(c: Choice, deltas: list[Delta], t0: float, logprob: bool) -> dict[str,
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    rt.require_generation()
+    bootstrap = rt.check_bootstrap(body)
     t0 = time.monotonic()
     sp = body.sampling_params.engine_kwargs()
     if body.return_logprob or body.top_logprobs_num:
@@ -64,7 +64,6 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         ids = rt.tokens.encode(prompt)
         rt.tokens.max_new_tokens(len(ids), sp["max_new_tokens"])
         jobs.append((ids, sp))
-    bootstrap = {k: getattr(body, k) for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room")}
     choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid, **bootstrap)
     logprob = bool(body.return_logprob or body.top_logprobs_num)
     if body.stream:

@@ -63,7 +63,7 @@ def chat_logprobs(tokens: Tokens, d: Delta) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    rt.require_generation()
+    bootstrap = rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
     jobs, echoes = [], []
     for prompt in body.prompts():
@@ -73,7 +73,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for i in range(body.n):
             jobs.append((ids, body.sampling(budget, i, body.logprobs)))
             echoes.append(echo)
-    choices = open_choices(rt.front, rt.tokens, jobs)
+    choices = open_choices(rt.front, rt.tokens, jobs, **bootstrap)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": rt.config.served_model_name}
     if body.stream:
@@ -130,12 +130,13 @@ async def _stream_completions(rt: Runtime, body: CompletionRequest, choices: lis
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    rt.require_generation()
+    bootstrap = rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
     ids = rt.tokens.chat([{"role": m.role, "content": m.text()} for m in body.messages])
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)])
+    choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],
+                           **bootstrap)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.config.served_model_name}
     if body.stream:
         return StreamingResponse(_stream_chat(rt, body, choices, head), media_type="text/event-stream")

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -15,6 +15,7 @@ from tandem.server.errors import ApiError
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.tokens import Tokens
+from tandem.worker_contract import PREFILL
 
 T = TypeVar("T")
 
@@ -28,10 +29,12 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
 
-    def require_generation(self) -> None:
-        if not self.config.generates:
-            raise ApiError(501, f"a {self.config.role} worker serves generation once prefill/decode "
-                                "disaggregation lands; use --role colocated")
+    def check_bootstrap(self, body: Any) -> dict[str, Any]:
+        """The request's PD fields; a prefill worker serves only disaggregated requests."""
+        if self.config.role == PREFILL and body.bootstrap_room is None:
+            raise ApiError(400, "a prefill worker serves only disaggregated requests: send it through a PD "
+                                "router (bootstrap_room is missing)", param="bootstrap_room")
+        return body.bootstrap()
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

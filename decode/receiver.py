@@ -1,0 +1,269 @@
+"""DecodeReceiver: the decode role's part of the scheduler (prealloc and transfer queues).
+
+A request carrying bootstrap_host/port/room goes through
+
+    bootstrap --handshake ok--> prealloc --pages + slot reserved, KVDest sent--> transfer
+        |                          |   (waits while the pool is full)                |
+        |                          +--> uncached part short: prefill it here          |
+        v                               (conditional disaggregation, KVCancel to P)   v
+    fail fast (mismatch, dead peer, timeout)          all chunks + first token in: joins the
+                                                      running batch as already prefilled
+
+Pages reserved for a transfer are never cached or freed while prefill may still write them:
+an abort during transfer sends KVCancel and keeps them until prefill answers KVCancelled
+(or is declared dead, or the cancel times out). A request without bootstrap fields is
+prefilled here, like colocated. Prefix reuse: the prompt is matched against decode's own
+radix cache first and prefill sends only the pages from the first uncached one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.decode.peers import PrefillPeers
+from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
+from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+from tandem.engine.transfer.control import PeerDown, PeerMsg
+from tandem.engine.transfer.first_token import FirstTokenSlots
+from tandem.protocol import pd
+from tandem.protocol.messages import GenerateReq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Incoming:
+    req: Req
+    room: int
+    peer: str
+    since: float
+    stage: str = "bootstrap"  # bootstrap | prealloc | transfer | cancelling
+    slot: int | None = None
+    chunks: int = 0
+    total: int | None = None
+
+
+class DecodeReceiver:
+    def __init__(self, sched: Any, transfer: Any, peers: PrefillPeers, slots: FirstTokenSlots) -> None:
+        self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
+        self.transfer, self.peers, self.slots = transfer, peers, slots
+        self.queue: deque[Incoming] = deque()  # bootstrap + prealloc, in arrival order
+        self.rooms: dict[int, Incoming] = {}
+        self.by_rid: dict[str, Incoming] = {}
+        self.stats = {"transferred": 0, "local_prefills": 0, "reused_tokens": 0, "failed": 0,
+                      "handshake_failures": 0}
+        self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
+        self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
+                           pd.KVCancelled: self.on_cancelled}
+        for key in filter(None, (self.cfg.pd_prefill_peers or "").split(",")):
+            self.peers.get(key.strip())
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def admit(self, req: Req, msg: GenerateReq) -> bool:
+        if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
+            return False  # no prefill named: prefill here
+        inc = Incoming(req, msg.bootstrap_room, f"{msg.bootstrap_host}:{msg.bootstrap_port}", time.monotonic())
+        if inc.room in self.rooms:
+            self._fail(inc, f"bootstrap_room {inc.room} is already in use")
+            return True
+        self.rooms[inc.room], self.by_rid[req.rid] = inc, inc
+        self.queue.append(inc)
+        if self.peers.get(inc.peer).ready:
+            inc.stage = "prealloc"
+        return True
+
+    def abort(self, rid: str) -> bool:
+        inc = self.by_rid.get(rid)
+        if inc is None:
+            return False
+        self._cancel(inc, "aborted by client")
+        return True
+
+    # ---- control messages ------------------------------------------------------------------------
+    def on_peer_msg(self, m: PeerMsg) -> None:
+        handler = self.on_message.get(type(m.msg))
+        if handler is not None:
+            handler(m.peer, m.msg)
+
+    def on_welcome(self, key: str, w: pd.Welcome) -> None:
+        error = self.peers.welcome(key, w)
+        for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
+            if error is not None:
+                self.stats["handshake_failures"] += 1
+                self._fail(inc, error)
+            else:
+                inc.stage = "prealloc"
+
+    def on_cancel(self, key: str, msg: pd.KVCancel) -> None:
+        inc = self.rooms.get(msg.room)
+        if inc is not None and inc.peer == key:  # prefill writes nothing more there
+            self._fail(inc, f"prefill {key} gave up: {msg.reason}")
+
+    def on_cancelled(self, key: str, msg: pd.KVCancelled) -> None:
+        inc = self.rooms.get(msg.room)
+        if inc is not None and inc.peer == key and inc.stage == "cancelling":
+            self._fail(inc, "")
+
+    def on_peer_down(self, m: PeerDown) -> None:
+        log.error("prefill %s is gone: %s", m.peer, m.reason)
+        for inc in [i for i in self.rooms.values() if i.peer == m.peer]:
+            self._fail(inc, f"prefill {m.peer} is gone: {m.reason}")
+        self.peers.drop(m.peer)
+        for key in filter(None, (self.cfg.pd_prefill_peers or "").split(",")):
+            if key.strip() == m.peer:
+                self.peers.get(m.peer)  # a configured peer: handshake again (readiness)
+
+    # ---- the loop's poll ----------------------------------------------------------------------------
+    def on_batch_done(self, batch: Any) -> None:
+        """Nothing: a transferred request joins the running batch from poll."""
+
+    def poll(self) -> None:
+        for _, note in self.transfer.poll().received:
+            room, chunk, total = pd.parse_notify(note)
+            inc = self.rooms.get(room)
+            if inc is None or inc.stage not in ("transfer", "cancelling"):
+                continue
+            inc.chunks += 1
+            inc.total = total if total is not None else inc.total
+            if inc.stage == "transfer" and inc.chunks == inc.total:
+                self._complete(inc)
+        self._preallocate()
+        self._expire()
+
+    def _preallocate(self) -> None:
+        for inc in list(self.queue):
+            if inc.stage == "prealloc" and not self._reserve(inc):
+                break  # first come, first served: a full pool holds everyone behind too
+
+    def _reserve(self, inc: Incoming) -> bool:
+        req, P = inc.req, self.cache.page_size
+        n = len(req.origin_input_ids)
+        req.init_next_round_input(self.cache.tree)
+        if self.cfg.disable_pd_decode_prefix_reuse:
+            empty = self.cache.tree.match_prefix([])
+            req.prefix_indices, req.last_node = empty.indices, empty.last_node
+            req.extend_input_len = n
+        if req.extend_input_len <= self.cfg.pd_local_prefill_threshold:
+            self.queue.remove(inc)
+            self._forget(inc)
+            self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode prefills it (conditional disaggregation)"))
+            self.stats["local_prefills"] += 1
+            self.sched.prefill.add(req)
+            return True
+        skip = len(req.prefix_indices)
+        reserve = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), self.cfg.clip_max_new_tokens)
+                      for r in self.sched.decode.reqs) * self.sched.decode.new_token_ratio
+        ratio = self.sched.decode.new_token_ratio
+        need = (self.cache.allocator.pages_needed(skip, n - skip) * P
+                + min(req.sampling_params.max_new_tokens, self.cfg.clip_max_new_tokens) * ratio)
+        if (self.cache.available_tokens() - reserve < need or not self.slots.free
+                or self.cache.req_to_token_pool.available_size() == 0):
+            return False
+        self.cache.lock(req.last_node)
+        slots = self.cache.alloc_extend([req])
+        inc.slot = self.slots.alloc()
+        pages = (slots[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page
+        self.peers.channel.send(inc.peer, pd.KVDest(inc.room, pages, skip, inc.slot, n))
+        self.stats["reused_tokens"] += skip
+        inc.stage, inc.since = "transfer", time.monotonic()
+        self.queue.remove(inc)
+        return True
+
+    def _complete(self, inc: Incoming) -> None:
+        """Every chunk landed: the request joins the running batch with its first token."""
+        req = inc.req
+        token, logprob, top = self.slots.read(inc.slot)
+        self._forget(inc)
+        now = time.monotonic()
+        req.first_token_time = req.last_token_time = now
+        req.output_ids.append(token)
+        req.status = ReqStatus.DECODING
+        if req.sampling_params.return_logprob or req.sampling_params.top_logprobs_num:
+            req.logprobs.append(logprob if logprob is not None else float("nan"))
+            req.top_logprobs.append(top[: req.sampling_params.top_logprobs_num])
+        self.stats["transferred"] += 1
+        reason = req.to_finish or self.sched.output.check_finished(req, token)
+        if reason is not None:
+            self.sched.output.finish(req, reason)
+            self.sched.reqs.pop(req.rid, None)
+        else:
+            ids = torch.tensor([token], dtype=torch.int64)
+            self.sched.decode.running_batch.merge_batch(ScheduleBatch([req], output_ids=ids))
+        self.sched.output.stream([req])
+
+    def _expire(self) -> None:
+        now, cfg = time.monotonic(), self.cfg
+        for key in self.peers.expired():
+            self.peers.drop(key)
+            for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
+                self._fail(inc, f"no handshake with prefill {key} within {cfg.pd_bootstrap_timeout:.0f} s")
+        limits = {"prealloc": cfg.pd_prealloc_timeout, "transfer": cfg.pd_transfer_timeout,
+                  "cancelling": cfg.pd_transfer_timeout}
+        for inc in list(self.rooms.values()):
+            limit = limits.get(inc.stage)
+            if limit is None or now - inc.since <= limit:
+                continue
+            if inc.stage == "transfer":
+                self._cancel(inc, f"KV did not arrive within {limit:.0f} s")
+            else:  # prealloc: the pool stayed full; cancelling: prefill never answered
+                self._fail(inc, f"gave up after {limit:.0f} s in {inc.stage}")
+
+    # ---- the end of a room ---------------------------------------------------------------------------
+    def _cancel(self, inc: Incoming, why: str) -> None:
+        """Stop the request now; pages prefill may still write wait for its KVCancelled."""
+        if inc.stage != "transfer":
+            self._fail(inc, why)
+            if self.peers.peers.get(inc.peer) is not None:
+                self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
+            return
+        self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
+        self._finish(inc.req, why)
+        inc.stage, inc.since = "cancelling", time.monotonic()
+
+    def _fail(self, inc: Incoming, why: str) -> None:
+        """The room is over: free what it holds, finish the request with `why` if it runs."""
+        if inc in self.queue:
+            self.queue.remove(inc)
+        if inc.req.req_pool_idx is not None:
+            self.cache.discard(inc.req)
+        self._forget(inc)
+        if why:
+            self.stats["failed"] += 1
+        self._finish(inc.req, why)
+        self.sched.reqs.pop(inc.req.rid, None)
+
+    def _finish(self, req: Req, why: str) -> None:
+        if not req.finished():
+            req.finished_reason = finish_abort(why)
+            req.status = ReqStatus.FINISHED
+            self.sched.output.stream([req])
+
+    def _forget(self, inc: Incoming) -> None:
+        if inc.slot is not None:
+            self.slots.release(inc.slot)
+            inc.slot = None
+        self.rooms.pop(inc.room, None)
+        self.by_rid.pop(inc.req.rid, None)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.rooms)
+
+    def ready(self) -> bool:
+        """A handshake with a configured prefill holds; with none configured, peers are only
+        known from requests, so readiness cannot wait for one."""
+        return self.peers.any_ready() or not self.cfg.pd_prefill_peers
+
+    def status(self) -> dict[str, Any]:
+        return {"role": "decode", "ready": self.ready(), "peers": self.peers.status(), "rooms": len(self.rooms),
+                "queued": len(self.queue), "handshake_failures": self.peers.handshake_failures, **self.stats}
+
+    def check_integrity(self) -> None:
+        assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
+        self.slots.check_integrity(in_use=0)

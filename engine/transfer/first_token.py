@@ -1,0 +1,57 @@
+"""FirstTokenSlots: a small registered buffer that carries each request's first token
+(and its logprobs) from prefill to decode, in the same NIXL transfer as its last KV pages.
+
+One slot is a row of float64 (exact for token ids below 2**53):
+
+    [token, logprob (nan: none), n_top, top ids (MAX_TOP), top logprobs (MAX_TOP)]
+
+Decode reserves a slot with a request's pages; prefill fills a slot of its own and
+writes it into decode's. Both sides size slots the same, so the handshake can check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tandem.protocol.pd import MetaRegion
+
+MAX_TOP = 20  # the OpenAI limit on top_logprobs
+WIDTH = 3 + 2 * MAX_TOP
+
+
+class FirstTokenSlots:
+    def __init__(self, slots: int) -> None:
+        self.buf = torch.zeros(slots, WIDTH, dtype=torch.float64)
+        self.free = list(range(slots - 1, -1, -1))
+        self.capacity = slots
+
+    def region(self) -> MetaRegion:
+        return MetaRegion(self.buf.data_ptr(), WIDTH * 8, self.capacity)
+
+    def alloc(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def release(self, slot: int) -> None:
+        assert slot not in self.free, f"slot {slot} freed twice"
+        self.free.append(slot)
+
+    def write(self, slot: int, token: int, logprob: float | None, top: list[tuple[int, float]]) -> None:
+        row = self.buf[slot]
+        row.zero_()
+        top = top[:MAX_TOP]
+        row[0], row[1], row[2] = token, math.nan if logprob is None else logprob, len(top)
+        for i, (t, lp) in enumerate(top):
+            row[3 + i], row[3 + MAX_TOP + i] = t, lp
+
+    def read(self, slot: int) -> tuple[int, float | None, list[tuple[int, float]]]:
+        row = self.buf[slot].tolist()
+        n = int(row[2])
+        logprob = None if math.isnan(row[1]) else row[1]
+        return int(row[0]), logprob, [(int(row[3 + i]), row[3 + MAX_TOP + i]) for i in range(n)]
+
+    def check_integrity(self, in_use: int = 0) -> None:
+        assert len(set(self.free)) == len(self.free), "a first-token slot is free twice"
+        assert len(self.free) + in_use == self.capacity, (
+            f"{self.capacity - len(self.free)} first-token slots in use, {in_use} expected")

@@ -1,0 +1,21 @@
+"""The prefill role: the colocated scheduler plus a KV sender, listening on the bootstrap port."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engine.transfer.setup import transfer_parts
+from tandem.prefill.sender import PrefillSender
+from tandem.worker_contract import PREFILL
+
+
+def attach(sched: Any, model_path: str) -> PrefillSender:
+    cfg = sched.config
+    if cfg.dp_size > 1:
+        raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")
+    transfer, channel, identity = transfer_parts(sched, model_path, PREFILL)
+    channel.bind(f"tcp://{cfg.pd_bootstrap_host}:{cfg.pd_bootstrap_port}")
+    part = PrefillSender(sched, transfer, channel, identity)
+    sched.attach(part)
+    channel.start()
+    return part

@@ -1,0 +1,287 @@
+"""PrefillSender: the prefill role's part of the scheduler (the KV sender and bootstrap server).
+
+A request's life on prefill (one `Outgoing` per bootstrap room):
+
+    admitted ---KVDest from decode---> waiting queue -> prefill chunks -> first token
+       |  (bounded: pd_bootstrap_timeout)                |  after each chunk: NIXL WRITE of
+       v                                                 v  its whole pages into decode's
+    abort: no decode claimed it               last chunk: the rest + the first-token slot
+                                                          |
+                        every send reported done ---------+--> KV released (radix keeps it)
+
+The scheduler runs as colocated, with max_new_tokens forced to 1; this part takes the
+requests it admits until decode's pages arrive, sends after each prefill batch, and holds
+a finished request's KV (OutputProcessor.release) until NIXL reports its sends done.
+Every way out (abort, decode's KVCancel, a failed send, a dead decode) ends in `_settle`,
+which releases the KV once no send is in flight and tells decode what happened.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.transfer.control import ControlChannel, PeerDown, PeerMsg
+from tandem.engine.transfer.first_token import FirstTokenSlots
+from tandem.protocol import pd
+from tandem.protocol.kv_layout import KVLayout
+from tandem.protocol.messages import GenerateReq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Outgoing:
+    req: Req
+    room: int
+    since: float
+    dest: pd.KVDest | None = None
+    peer: str = ""  # the decode rank that sent dest
+    sent_upto: int = 0  # prompt positions whose pages are sent (or that decode had)
+    chunks: int = 0
+    in_flight: int = 0  # sends not yet reported by NIXL
+    slot: int | None = None  # local first-token slot of the last send
+    ended: str | None = None  # why no more sends happen: "sent", or an error
+    tell: str | None = None  # KVCancel decode with this once settled (nothing in flight)
+    cancel_ack: bool = False  # decode asked to cancel: answer KVCancelled once settled
+
+
+class PrefillSender:
+    def __init__(self, sched: Any, transfer: Any, channel: ControlChannel, identity: pd.Identity) -> None:
+        self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
+        self.transfer, self.channel, self.identity = transfer, channel, identity
+        self.layout: KVLayout = sched.runner.kv_pool.layout()
+        self.slots = FirstTokenSlots(sched.config.max_running_requests)
+        self.agent_meta = transfer.register(self.layout, self.slots.region())
+        self.peers: dict[str, str] = {}  # decode name -> its NIXL agent name
+        self.rooms: dict[int, Outgoing] = {}
+        self.by_rid: dict[str, Outgoing] = {}
+        self.early: dict[int, tuple[Any, float]] = {}  # a decode message that beat its request
+        self.stats = {"handshakes": 0, "handshake_failures": 0, "kv_bytes_sent": 0, "sends": 0,
+                      "failed": 0, "bootstrap_timeouts": 0}
+        self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
+        self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
+        sched.output.release = self.release
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def admit(self, req: Req, msg: GenerateReq) -> bool:
+        if msg.bootstrap_room is None:
+            self._finish(req, "a prefill worker needs bootstrap_room (send requests through a PD router)")
+            return True
+        req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
+        og = Outgoing(req, msg.bootstrap_room, time.monotonic())
+        if og.room in self.rooms:
+            self._finish(req, f"bootstrap_room {og.room} is already in use")
+            return True
+        self.rooms[og.room], self.by_rid[req.rid] = og, og
+        early, _ = self.early.pop(og.room, (None, 0.0))
+        if isinstance(early, tuple):
+            self._take_dest(og, *early)
+        elif isinstance(early, pd.KVCancel):
+            self._end(og, f"cancelled by decode: {early.reason}", ack=False)
+        return True
+
+    def abort(self, rid: str) -> bool:
+        og = self.by_rid.get(rid)
+        if og is None:
+            return False
+        self._end(og, "aborted by client")
+        return True
+
+    def _take_dest(self, og: Outgoing, peer: str, dest: pd.KVDest) -> None:
+        P = self.layout.page_size
+        n = len(og.req.origin_input_ids)
+        want = -(-n // P) - dest.skip // P
+        if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want:
+            self._end(og, f"decode's pages do not fit this prompt ({len(dest.pages)} pages for "
+                          f"{n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode)")
+            return
+        og.dest, og.peer, og.sent_upto = dest, peer, dest.skip
+        self.sched.prefill.add(og.req)
+
+    # ---- control messages ------------------------------------------------------------------------
+    def on_peer_msg(self, m: PeerMsg) -> None:
+        handler = self.on_message.get(type(m.msg))
+        if handler is None:
+            log.warning("unexpected %s from %s", type(m.msg).__name__, m.peer)
+            return
+        handler(m.peer, m.msg)
+
+    def on_hello(self, peer: str, hello: pd.Hello) -> None:
+        problems = self.identity.mismatch(pd.Identity(**hello.identity))
+        try:
+            if not problems:
+                self.peers[peer] = self.transfer.add_peer(base64.b64decode(hello.agent), KVLayout(**hello.layout),
+                                                          pd.MetaRegion(**hello.meta))
+        except ValueError as exc:
+            problems = [str(exc)]
+        if problems:
+            self.stats["handshake_failures"] += 1
+            error = "PD handshake refused: " + "; ".join(problems)
+            log.error("decode %s: %s", peer, error)
+            self.channel.send(peer, pd.Welcome(self.transfer.name, False, error))
+            return
+        self.stats["handshakes"] += 1
+        log.info("handshake with decode %s", peer)
+        self.channel.accept(peer)
+        self.channel.send(peer, pd.Welcome(self.transfer.name, True, "", dataclasses.asdict(self.identity),
+                                           self.layout.to_dict(), base64.b64encode(self.agent_meta).decode(),
+                                           dataclasses.asdict(self.slots.region())))
+
+    def on_dest(self, peer: str, dest: pd.KVDest) -> None:
+        if peer not in self.peers:
+            self.channel.send(peer, pd.KVCancel(dest.room, "no handshake with this prefill (it restarted?)"))
+            return
+        og = self.rooms.get(dest.room)
+        if og is None:
+            self.early[dest.room] = ((peer, dest), time.monotonic())
+        elif og.dest is None and og.ended is None:
+            self._take_dest(og, peer, dest)
+
+    def on_cancel(self, peer: str, msg: pd.KVCancel) -> None:
+        og = self.rooms.get(msg.room)
+        if og is None:  # not here yet, or settled already: either way nothing will be written
+            self.early[msg.room] = (msg, time.monotonic())
+            self.channel.send(peer, pd.KVCancelled(msg.room))
+            return
+        og.cancel_ack = og.peer == peer or not og.peer
+        og.peer = og.peer or peer
+        self._end(og, f"cancelled by decode: {msg.reason}", ack=False)
+
+    def on_peer_down(self, m: PeerDown) -> None:
+        log.error("decode %s is gone: %s", m.peer, m.reason)
+        agent = self.peers.pop(m.peer, None)
+        for og in [og for og in self.rooms.values() if og.peer == m.peer]:
+            og.peer = ""  # nobody to tell
+            self._end(og, f"decode {m.peer} is gone: {m.reason}")
+        if agent is not None:
+            self.transfer.remove_peer(agent)  # its unfinished sends come back failed from poll
+        self.poll()
+
+    # ---- sending -------------------------------------------------------------------------------------
+    def on_batch_done(self, batch: Any) -> None:
+        """After a prefill batch: send the pages each PD request's chunk completed."""
+        for i, req in enumerate(batch.reqs[: batch.num_extend_reqs]):
+            og = self.by_rid.get(req.rid)
+            if og is None or og.dest is None or og.ended is not None:
+                continue
+            if req.finished() and not req.output_ids:  # aborted mid-prefill
+                self._end(og, req.finished_reason.message if req.finished_reason else "aborted")
+                continue
+            # This batch's extent, not kv_committed_len: under overlap the next chunk may
+            # already be allocated (and its forward still running).
+            self._send_chunk(og, batch.prefix_lens[i] + batch.extend_lens[i], last=bool(req.output_ids))
+
+    def _send_chunk(self, og: Outgoing, computed: int, last: bool) -> None:
+        P, req, dest = self.layout.page_size, og.req, og.dest
+        assert dest is not None and req.req_pool_idx is not None
+        upto = len(req.origin_input_ids) if last else computed // P * P
+        if upto <= og.sent_upto and not last:
+            return
+        row = self.cache.req_to_token[req.req_pool_idx]
+        src = (row[og.sent_upto : upto : P] // P).tolist()
+        first = (og.sent_upto - dest.skip) // P
+        dst = dest.pages[first : first + len(src)]
+        slot = None
+        if last:
+            og.slot = self.slots.alloc()
+            assert og.slot is not None, "more requests than first-token slots"
+            top = req.top_logprobs[0] if req.top_logprobs else []
+            self.slots.write(og.slot, req.output_ids[0], req.logprobs[0] if req.logprobs else None, top)
+            slot = (og.slot, dest.slot)
+        og.chunks += 1
+        try:
+            self.transfer.send(self.peers[og.peer], str(og.room), src, dst,
+                               pd.notify(og.room, og.chunks, og.chunks if last else None), slot=slot)
+        except (KeyError, ValueError) as exc:
+            self._end(og, f"KV send refused: {exc}")
+            return
+        og.in_flight += 1
+        og.sent_upto = upto
+        self.stats["sends"] += 1
+        self.stats["kv_bytes_sent"] += len(src) * self.layout.page_bytes * 2 * self.layout.num_layers
+        if last:
+            og.ended = "sent"
+
+    def poll(self) -> None:
+        events = self.transfer.poll()
+        for done in events.sent:
+            og = self.rooms.get(int(done.room))
+            if og is None:
+                continue
+            og.in_flight -= 1
+            if not done.ok:
+                self.stats["failed"] += 1
+                self._end(og, f"KV transfer failed: {done.error}", override=True)
+            self._settle(og)
+        now = time.monotonic()
+        for og in list(self.rooms.values()):
+            if og.dest is None and og.ended is None and now - og.since > self.cfg.pd_bootstrap_timeout:
+                self.stats["bootstrap_timeouts"] += 1
+                self._end(og, f"no decode claimed this request within {self.cfg.pd_bootstrap_timeout:.0f} s")
+        for room, (_, t) in list(self.early.items()):
+            if now - t > 2 * self.cfg.pd_bootstrap_timeout:
+                del self.early[room]
+
+    # ---- the end of a room ---------------------------------------------------------------------------
+    def _end(self, og: Outgoing, why: str, ack: bool = True, override: bool = False) -> None:
+        """No more sends for this room: stop the request where it is, then settle."""
+        if og.ended is not None and not override:
+            self._settle(og)
+            return
+        og.ended = why
+        req = og.req
+        if not req.finished():
+            if self.sched.prefill.abort_waiting(req.rid) is not None or req.req_pool_idx is None:
+                req.finished_reason = finish_abort(why)
+                self.sched.output.stream([req])
+            else:
+                req.to_finish = finish_abort(why)  # mid-prefill: applied at its next result
+        if ack:
+            og.tell = why
+        self._settle(og)
+
+    def release(self, req: Req) -> None:
+        """OutputProcessor's release for finished requests: a PD request's KV waits for its sends."""
+        og = self.by_rid.get(req.rid)
+        if og is None:
+            self.cache.release(req)
+        else:
+            self._settle(og)
+
+    def _settle(self, og: Outgoing) -> None:
+        """Release the room once its request is finished, no more sends will start and
+        every started one has been reported."""
+        if not (og.req.finished() and og.in_flight == 0 and (og.ended is not None or og.dest is None)):
+            return
+        self.cache.release(og.req)
+        if og.slot is not None:
+            self.slots.release(og.slot)
+        if og.peer and og.tell is not None:  # decode may free its pages now
+            self.channel.send(og.peer, pd.KVCancel(og.room, og.tell))
+        elif og.peer and og.cancel_ack:
+            self.channel.send(og.peer, pd.KVCancelled(og.room))
+        del self.rooms[og.room], self.by_rid[og.req.rid]
+        self.sched.reqs.pop(og.req.rid, None)
+
+    def _finish(self, req: Req, why: str) -> None:
+        req.finished_reason = finish_abort(why)
+        self.sched.output.stream([req])
+        self.sched.reqs.pop(req.rid, None)
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.rooms)
+
+    def status(self) -> dict[str, Any]:
+        return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
+                "rooms": len(self.rooms), **self.stats}
+
+    def check_integrity(self) -> None:
+        assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
+        self.slots.check_integrity(in_use=0)
