@@ -32,6 +32,7 @@ class Worker:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.bootstrap: int | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port)]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
@@ -43,6 +44,25 @@ class Worker:
     def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
         args = contract.WorkerArgs(role=contract.COLOCATED, model=str(model), served_model_name=name, config=None,
                                    extra=("--dtype", "float32", *flags))
+        return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def prefill(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
+        """A prefill worker; its bootstrap port is `.bootstrap`."""
+        bootstrap = free_port()
+        args = contract.WorkerArgs(role=contract.PREFILL, model=str(model), served_model_name=name, config=None,
+                                   bootstrap_port=bootstrap, extra=("--dtype", "float32", *flags))
+        w = cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
+        w.bootstrap = bootstrap
+        return w
+
+    @classmethod
+    def decode(cls, model: Path, *flags: str, peers: Sequence[Worker] = (), name: str = "tiny",
+               **kw: object) -> Worker:
+        """A decode worker, handshaking with `peers` (prefill workers) at start."""
+        peer_flags = ("--pd-prefill-peers", ",".join(f"127.0.0.1:{p.bootstrap}" for p in peers)) if peers else ()
+        args = contract.WorkerArgs(role=contract.DECODE, model=str(model), served_model_name=name, config=None,
+                                   extra=("--dtype", "float32", *peer_flags, *flags))
         return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
 
     def headers(self) -> dict[str, str]:
