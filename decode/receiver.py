@@ -61,8 +61,8 @@ class DecodeReceiver:
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
                            pd.KVCancelled: self.on_cancelled}
-        for key in filter(None, (self.cfg.pd_prefill_peers or "").split(",")):
-            self.peers.get(key.strip())
+        self.configured = [k.strip() for k in (self.cfg.pd_prefill_peers or "").split(",") if k.strip()]
+        self._reconnect()
 
     # ---- requests ---------------------------------------------------------------------------------
     def admit(self, req: Req, msg: GenerateReq) -> bool:
@@ -115,9 +115,13 @@ class DecodeReceiver:
         for inc in [i for i in self.rooms.values() if i.peer == m.peer]:
             self._fail(inc, f"prefill {m.peer} is gone: {m.reason}")
         self.peers.drop(m.peer)
-        for key in filter(None, (self.cfg.pd_prefill_peers or "").split(",")):
-            if key.strip() == m.peer:
-                self.peers.get(m.peer)  # a configured peer: handshake again (readiness)
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        """Configured peers are always being handshaken (readiness depends on them); one that
+        is down is retried every pd_bootstrap_timeout, until it is back."""
+        for key in self.configured:
+            self.peers.get(key)
 
     # ---- the loop's poll ----------------------------------------------------------------------------
     def on_batch_done(self, batch: Any) -> None:
@@ -203,6 +207,7 @@ class DecodeReceiver:
             self.peers.drop(key)
             for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
                 self._fail(inc, f"no handshake with prefill {key} within {cfg.pd_bootstrap_timeout:.0f} s")
+            self._reconnect()
         limits = {"prealloc": cfg.pd_prealloc_timeout, "transfer": cfg.pd_transfer_timeout,
                   "cancelling": cfg.pd_transfer_timeout}
         for inc in list(self.rooms.values()):
@@ -240,7 +245,7 @@ class DecodeReceiver:
 
     def _finish(self, req: Req, why: str) -> None:
         if not req.finished():
-            req.finished_reason = finish_abort(why)
+            req.finished_reason = finish_abort(why, 503)
             req.status = ReqStatus.FINISHED
             self.sched.output.stream([req])
 
@@ -258,7 +263,7 @@ class DecodeReceiver:
     def ready(self) -> bool:
         """A handshake with a configured prefill holds; with none configured, peers are only
         known from requests, so readiness cannot wait for one."""
-        return self.peers.any_ready() or not self.cfg.pd_prefill_peers
+        return self.peers.any_ready() or not self.configured
 
     def status(self) -> dict[str, Any]:
         return {"role": "decode", "ready": self.ready(), "peers": self.peers.status(), "rooms": len(self.rooms),

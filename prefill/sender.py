@@ -230,18 +230,21 @@ class PrefillSender:
 
     # ---- the end of a room ---------------------------------------------------------------------------
     def _end(self, og: Outgoing, why: str, ack: bool = True, override: bool = False) -> None:
-        """No more sends for this room: stop the request where it is, then settle."""
+        """No more sends for this room: stop the request where it is, then settle. `ack` False:
+        decode asked for it (its client aborted, or it prefills the request itself): not an
+        error of this request, so its HTTP answer is a 200 with finish_reason abort."""
         if og.ended is not None and not override:
             self._settle(og)
             return
         og.ended = why
         req = og.req
+        reason = finish_abort(why, 503 if ack else 200)
         if not req.finished():
             if self.sched.prefill.abort_waiting(req.rid) is not None or req.req_pool_idx is None:
-                req.finished_reason = finish_abort(why)
+                req.finished_reason = reason
                 self.sched.output.stream([req])
             else:
-                req.to_finish = finish_abort(why)  # mid-prefill: applied at its next result
+                req.to_finish = reason  # mid-prefill: applied at its next result
         if ack:
             og.tell = why
         self._settle(og)

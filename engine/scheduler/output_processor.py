@@ -125,7 +125,8 @@ class OutputProcessor:
         fr = req.finished_reason
         out = ReqOutput(
             rid=req.rid, token_ids=new, finished=fr is not None,
-            finish_reason=None if fr is None else {"kind": fr.kind, "matched": fr.matched, "message": fr.message},
+            finish_reason=None if fr is None else {"kind": fr.kind, "matched": fr.matched, "message": fr.message,
+                                           "status": fr.status},
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, retract_count=req.retract_count,
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,

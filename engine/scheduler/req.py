@@ -42,6 +42,7 @@ class FinishReason:
     kind: str  # "length" | "stop" | "abort"
     matched: int | str | None = None  # the stop token id or stop string
     message: str = ""
+    status: int = 400  # an abort before any token: the HTTP status (503: a fault of ours, retryable)
 
     def to_openai(self) -> str:
         return {"length": "length", "stop": "stop", "abort": "abort"}[self.kind]
@@ -51,8 +52,8 @@ def finish_length(n: int) -> FinishReason:
     return FinishReason("length", message=f"reached max_new_tokens={n}")
 
 
-def finish_abort(message: str) -> FinishReason:
-    return FinishReason("abort", message=message)
+def finish_abort(message: str, status: int = 400) -> FinishReason:
+    return FinishReason("abort", message=message, status=status)
 
 
 @dataclass(eq=False)

@@ -68,10 +68,11 @@ async def run_choice(front: Front, choice: Choice) -> AsyncIterator[Delta]:
             out = await choice.stream.next()
             reason = out.finish_reason or {}
             if (out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0
-                    and not choice.stream.aborted):
+                    and not choice.stream.aborted and reason.get("status", 400) >= 400):
                 # Refused by the scheduler before its first token: an error, not an empty answer.
                 # (One aborted on purpose, by /abort_request or a drain, answers finish_reason abort.)
-                raise ApiError(503 if front.draining else 400, reason.get("message") or "request aborted")
+                raise ApiError(503 if front.draining else reason.get("status", 400),
+                               reason.get("message") or "request aborted")
             yield Delta(choice.index, choice.text.feed(out.token_ids, out.finished), out.token_ids, out)
             if out.finished:
                 return
