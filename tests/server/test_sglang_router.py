@@ -66,3 +66,51 @@ def test_sglang_router_fronts_two_workers(model_path) -> None:
             router.wait(20)
         for w in workers:
             w.stop()
+
+
+def test_sglang_router_pd_mode_fronts_our_prefill_and_decode(model_path) -> None:
+    """`launch_router --pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL`: the router
+    adds bootstrap_host/port/room and sends to both; our decode streams the Engine's text."""
+    pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+    model = model_path("tiny")
+    prompts = [f"disaggregated request {i} " * 6 for i in range(4)]  # past the local-prefill threshold
+    with Engine(str(model), dtype="float32") as eng:
+        expected = [r["text"] for r in eng.generate(prompts, SP)]
+    pre = Worker.prefill(model)
+    dec = Worker.decode(model, peers=[pre])
+    port, router = free_port(), None
+    try:
+        pre.wait_ready()
+        dec.wait_ready()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+             "--prefill", pre.url, str(pre.bootstrap), "--decode", dec.url,
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, "sglang-router did not come up"
+            time.sleep(0.5)
+        got = [httpx.post(url + "/generate", json={"text": p, "sampling_params": SP}, timeout=60).json()["text"]
+               for p in prompts]
+        assert got == expected
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": 4,
+            "temperature": 0})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
+        stats = [w.get("/debug/pool").json()["ranks"][0]["pd"] for w in (pre, dec)]
+        assert stats[1]["transferred"] >= len(prompts) + 1 and stats[0]["sends"] >= len(prompts) + 1
+        for w in (pre, dec):
+            assert w.pool()["whole"]
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(20)
+        for w in (pre, dec):
+            w.stop()
