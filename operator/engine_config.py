@@ -13,15 +13,22 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.spec import ServiceSpec
-from tandem.worker_contract import EngineYaml, KvTransfer
+from tandem.worker_contract import DECODE, PREFILL, EngineYaml, KvTransfer
 
 CONFIG_HASH_ANNOTATION = "tandem.dev/engine-config-hash"
 
 
 def role_engine_yaml(svc: ServiceSpec, role: str) -> str:
-    """The role's engine.yaml, in the worker contract's schema (`tandem serve` parses it back)."""
+    """The role's engine.yaml, in the worker contract's schema (`tandem serve` parses it back).
+    Decode pods handshake with the prefill pods' headless Service at start: their readiness
+    waits for it (and follows it through heartbeats), so no decode pod takes traffic it
+    cannot serve disaggregated."""
+    args = dict(svc.engine_args)
+    if role == DECODE:
+        prefill = f"{names.role_name(svc.name, PREFILL)}.{svc.namespace}.svc.cluster.local"
+        args.setdefault("pd_prefill_peers", f"{prefill}:{names.BOOTSTRAP_PORT}")
     return EngineYaml(
-        engine_args=dict(svc.engine_args),
+        engine_args=args,
         tp_size=svc.role(role).tensor_parallel_size,
         kv_transfer=KvTransfer(backend=svc.kv.backend, port_base=svc.kv.port_base, port_count=svc.kv.port_count),
     ).render()

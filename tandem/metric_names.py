@@ -20,6 +20,9 @@ INTER_TOKEN_LATENCY_SECONDS = "tandem_inter_token_latency_seconds"
 
 # Counters.
 KV_TRANSFER_FAILURES_TOTAL = "tandem_kv_transfer_failures_total"
+# PD counts by `event` label (handshake_failures, local_prefills, kv_bytes_sent, ...): a gauge
+# set from the schedulers' running totals.
+PD_EVENTS = "tandem_pd_events"
 
 # Bucket bounds the workers should use for the latency histograms, so that a p95
 # read by the operator has useful resolution around typical SLO targets.

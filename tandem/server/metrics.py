@@ -30,6 +30,11 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "generated tokens", registry=r)
         self.pool_whole = Gauge("tandem_kv_pool_whole", "1 when the last idle integrity check passed", registry=r)
+        # PD (prefill and decode roles): the scheduler's running counts, summed over ranks.
+        self.handshake_ok = Gauge(names.KV_HANDSHAKE_OK, "decode: 1 while a prefill handshake holds", registry=r)
+        self.pd_events = Gauge(names.PD_EVENTS, "PD counts since start (handshakes, handshake_failures, "
+                               "transferred, local_prefills, reused_tokens, kv_bytes_sent, failed, ...)",
+                               ["event"], registry=r)
 
     def observe(self, stream: Any, out: ReqOutput) -> None:
         """Called by the front for every output, before its handler sees it."""
@@ -53,6 +58,11 @@ class ServerMetrics:
         self.queue.set(sum(p["num_waiting"] for p in pools))
         self.running.set(sum(p["num_running"] for p in pools))
         self.kv_usage.set(max(p["kv_usage"] for p in pools))
+        pd = [p["pd"] for p in pools if p.get("pd")]
+        if pd and pd[0]["role"] == "decode":
+            self.handshake_ok.set(1.0 if all(x["ready"] for x in pd) else 0.0)
+        for key in sorted({k for x in pd for k, v in x.items() if isinstance(v, int) and not isinstance(v, bool)}):
+            self.pd_events.labels(key).set(sum(x.get(key, 0) for x in pd))
         if all(p["whole"] is not None for p in pools):
             self.pool_whole.set(1.0 if all(p["whole"] for p in pools) else 0.0)
         return generate_latest(self.registry)

@@ -8,7 +8,6 @@ import random
 from typing import Any
 
 import httpx
-
 from worker_process import Worker
 
 
