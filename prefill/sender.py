@@ -28,6 +28,7 @@ from typing import Any
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.transfer.control import ControlChannel, PeerDown, PeerMsg
 from tandem.engine.transfer.first_token import FirstTokenSlots
+from tandem.engine.transfer.pages import page_runs
 from tandem.protocol import pd
 from tandem.protocol.kv_layout import KVLayout
 from tandem.protocol.messages import GenerateReq
@@ -62,8 +63,10 @@ class PrefillSender:
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, tuple[Any, float]] = {}  # a decode message that beat its request
+        # page_runs / pages_sent: how scattered sends are (a run of consecutive pages on both
+        # sides is one descriptor per layer and K/V; docs/pd.md, bandwidth).
         self.stats = {"handshakes": 0, "handshake_failures": 0, "kv_bytes_sent": 0, "sends": 0,
-                      "failed": 0, "bootstrap_timeouts": 0}
+                      "pages_sent": 0, "page_runs": 0, "failed": 0, "bootstrap_timeouts": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
         sched.output.release = self.release
@@ -204,6 +207,8 @@ class PrefillSender:
         og.in_flight += 1
         og.sent_upto = upto
         self.stats["sends"] += 1
+        self.stats["pages_sent"] += len(src)
+        self.stats["page_runs"] += len(page_runs(src, dst))
         self.stats["kv_bytes_sent"] += len(src) * self.layout.page_bytes * 2 * self.layout.num_layers
         if last:
             og.ended = "sent"

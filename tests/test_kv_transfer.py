@@ -100,6 +100,34 @@ def test_pages_land_with_their_notification(impl) -> None:
         b.close()
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_first_token_slot_lands_with_the_last_pages(impl) -> None:
+    from tandem.engine.transfer.first_token import FirstTokenSlots
+
+    src_pool, dst_pool = pool(), pool(num_pages=24)
+    src_pool.kv_buffer.normal_()
+    src_slots, dst_slots = FirstTokenSlots(4), FirstTokenSlots(8)
+    a, b = IMPLEMENTATIONS[impl]("ps-" + impl), IMPLEMENTATIONS[impl]("ds-" + impl)
+    try:
+        meta_a = a.register(src_pool.layout(), src_slots.region())
+        meta_b = b.register(dst_pool.layout(), dst_slots.region())
+        peer_b = a.add_peer(meta_b, dst_pool.layout(), dst_slots.region())
+        b.add_peer(meta_a, src_pool.layout(), src_slots.region())
+        src_slots.write(2, 4242, -0.5, [(4242, -0.5), (7, -1.25)])
+        with pytest.raises(ValueError, match="slot"):
+            a.send(peer_b, "bad", [1], [1], b"", slot=(2, 8))
+        a.send(peer_b, "room-2", [5, 6], [9, 3], b"room-2/last", slot=(2, 5))
+        assert wait(a, lambda e: e.sent, also=(b,)).sent[0].ok
+        early = take_backlog(b)
+        got = early if early.received else wait(b, lambda e: e.received, also=(a,))
+        assert got.received[0][1] == b"room-2/last"
+        assert dst_slots.read(5) == (4242, -0.5, [(4242, -0.5), (7, -1.25)])
+        assert torch.equal(pages(dst_pool, [9, 3]), pages(src_pool, [5, 6]))
+    finally:
+        a.close()
+        b.close()
+
+
 def _decode_side(conn, src_layout_dict: dict) -> None:
     from tandem.protocol.kv_layout import KVLayout
 

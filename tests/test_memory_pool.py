@@ -148,3 +148,28 @@ def test_freed_request_rows_are_held_until_reclaimed() -> None:
     pool.check_integrity(in_use=1)
     pool.reclaim()
     assert pool.alloc(1) == [rows[0]]
+
+
+def test_sorted_free_list_hands_out_consecutive_pages() -> None:
+    """The PD roles keep free pages in page order: after churn, a new allocation is one run."""
+    for sorted_free, runs in ((False, 3), (True, 1)):
+        a = PageAllocator(num_pages=17, page_size=4, device="cpu")
+        a.sorted_free = sorted_free
+        pages = a.alloc_pages(16)
+        for p in (pages[8:10], pages[4:6], pages[6:8], pages[10:12]):  # pages 5..12, out of order
+            a.free(p * 4)
+        got = a.alloc_pages(8).tolist()
+        assert sum(1 for i, p in enumerate(got) if i == 0 or p != got[i - 1] + 1) == runs, got
+        a.check_integrity()
+
+
+def test_kv_buffer_asks_for_huge_pages() -> None:
+    import sys
+
+    pool = TokenToKVPool(num_pages=1025, page_size=16, num_layers=2, num_kv_heads=4, head_dim=64,
+                         dtype=torch.bfloat16, device="cpu")  # 16 MiB: several aligned 2 MiB pages
+    if sys.platform == "linux":
+        from tandem.engine.kvcache.memory_pool import advise_huge_pages
+
+        assert advise_huge_pages(pool.kv_buffer)  # madvise accepts the aligned interior
+    assert torch.count_nonzero(pool.kv_buffer[:, :, :16]) == 0  # the pad page is still zeroed

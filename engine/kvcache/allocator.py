@@ -29,6 +29,11 @@ class PageAllocator:
         self._allocated = torch.zeros(num_pages, dtype=torch.bool)
         self._free_pages = torch.arange(1, num_pages, dtype=torch.int64)
         self._group: list[torch.Tensor] | None = None
+        # Keep the free list in page order, so that an allocation takes the lowest free pages
+        # and they are mostly consecutive: a KV transfer moves each run of consecutive pages
+        # as one descriptor per layer and K/V instead of one per page. It costs one pass over
+        # the allocation mask per free; the PD roles turn it on (prefill/role.py, decode/role.py).
+        self.sorted_free = False
 
     # ---- queries ---------------------------------------------------------------------
     def available_size(self) -> int:
@@ -111,7 +116,10 @@ class PageAllocator:
         if bool((pages == 0).any()) or not bool(self._allocated[pages].all()):
             raise RuntimeError("double free or free of a page that was never allocated")
         self._allocated[pages] = False
-        self._free_pages = torch.cat([self._free_pages, pages])
+        if self.sorted_free:
+            self._free_pages = torch.nonzero(~self._allocated[1:]).flatten() + 1
+        else:
+            self._free_pages = torch.cat([self._free_pages, pages])
 
     def free_group_begin(self) -> None:
         self._group = []
