@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "tandem.engine.cli",
     "tandem.operator.cli",
     "tandem.server.cli",
+    "tandem.router.cli",
 )
 
 

@@ -65,6 +65,17 @@ class Worker:
                                    extra=("--dtype", "float32", *peer_flags, *flags))
         return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
 
+    @classmethod
+    def router(cls, model: Path, *flags: str, workers: Sequence[Worker] = (), prefill: Sequence[Worker] = (),
+               decode: Sequence[Worker] = (), **kw: object) -> Worker:
+        """`tandem router` in front of colocated `workers`, or of `prefill` + `decode` (PD)."""
+        argv = ["router", "--model", str(model), "--health-interval", "0.5", *flags]
+        if workers:
+            argv += ["--workers", *(w.url for w in workers)]
+        if prefill:
+            argv += ["--prefill", *(f"{w.url}={w.bootstrap}" for w in prefill), "--decode", *(w.url for w in decode)]
+        return cls(argv, **kw)  # type: ignore[arg-type]
+
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 

@@ -1,0 +1,99 @@
+"""The router's FastAPI app: state (workers, policies, proxy, admission, health checks,
+metrics) built once, an HTTP client pool to the workers, and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI
+
+from tandem.router import routes
+from tandem.router.admission import Admission
+from tandem.router.config import RouterConfig
+from tandem.router.health import HealthChecker
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policies import Policy
+from tandem.router.proxy import Proxy, ProxyConfig
+from tandem.router.tokenizer import RouterTokenizer
+from tandem.router.workers import COLOCATED, DECODE, PREFILL, Breaker, Worker, WorkerSet
+from tandem.server import errors
+from tandem.server.security import Guard
+
+log = logging.getLogger("tandem.router")
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    tokenizer: RouterTokenizer
+    workers: WorkerSet
+    proxy: Proxy
+    admission: Admission
+    health: HealthChecker
+    metrics: RouterMetrics
+    model_name: str | None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def _workers(cfg: RouterConfig) -> WorkerSet:
+    ws = WorkerSet()
+    breaker = lambda: Breaker(cfg.breaker_threshold, cfg.breaker_cooldown)  # noqa: E731
+    for url in cfg.workers:
+        ws.add(Worker(url, COLOCATED, breaker=breaker()))
+    for url, port in cfg.prefill:
+        ws.add(Worker(url, PREFILL, port, breaker=breaker()))
+    for url in cfg.decode:
+        ws.add(Worker(url, DECODE, breaker=breaker()))
+    return ws
+
+
+async def _model_name(cfg: RouterConfig, ws: WorkerSet, client: httpx.AsyncClient) -> str | None:
+    if cfg.model_name is not None:
+        return cfg.model_name
+    for w in ws.workers.values():
+        try:
+            return (await client.get(w.url + "/v1/models", timeout=5)).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            continue
+    return None
+
+
+def build_app(cfg: RouterConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        timeout = httpx.Timeout(cfg.request_timeout, connect=5.0)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            ws = _workers(cfg)
+            metrics = RouterMetrics()
+            policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
+                        for role, name in ((COLOCATED, cfg.policy), (PREFILL, cfg.prefill_policy),
+                                           (DECODE, cfg.decode_policy))}
+            proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold),
+                          ws, policies, metrics, client)
+            health = HealthChecker(ws, client, cfg.health_interval, cfg.health_timeout, cfg.health_fail_threshold)
+            await health.check_all()
+            state = RouterState(cfg, RouterTokenizer(cfg.tokenizer), ws, proxy,
+                                Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout, cfg.rate_limit,
+                                          cfg.burst),
+                                health, metrics, await _model_name(cfg, ws, client))
+            app.state.router = state
+            checks = asyncio.create_task(health.run())
+            log.info("router ready: %d workers, serving %r", len(ws.workers), state.model_name)
+            try:
+                yield
+            finally:
+                checks.cancel()
+
+    app = FastAPI(title="tandem router", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(routes.router)
+    app.add_middleware(Guard, api_key=cfg.api_key, max_bytes=cfg.max_request_bytes)
+    return app
+

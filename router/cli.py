@@ -1,0 +1,62 @@
+"""`tandem router`: the front door (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tandem.router.config import RouterConfig
+from tandem.router.policies import POLICIES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="the OpenAI-compatible router in front of the workers")
+    p.add_argument("--tokenizer", "--model", dest="tokenizer", required=True,
+                   help="model directory with tokenizer.json (and its chat template)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the workers')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", nargs="*", default=[], help="colocated worker URLs")
+    p.add_argument("--prefill", nargs="*", default=[], help="prefill workers: URL=BOOTSTRAP_PORT")
+    p.add_argument("--decode", nargs="*", default=[], help="decode worker URLs")
+    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+        p.add_argument(flag, choices=POLICIES, default=None)
+    p.add_argument("--local-prefill-threshold", type=int, default=32)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--max-inflight", type=int, default=4096, help="requests dispatched at once; then they queue")
+    p.add_argument("--max-queue", type=int, default=1024)
+    p.add_argument("--queue-timeout", type=float, default=30.0)
+    p.add_argument("--rate-limit", type=float, default=None, help="requests per second (token bucket)")
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--api-key", default=None, help="require this bearer key (or set $TANDEM_API_KEY)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_run)
+
+
+def _prefill(spec: str) -> tuple[str, int]:
+    url, sep, port = spec.rpartition("=")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"--prefill {spec!r}: expected URL=BOOTSTRAP_PORT")
+    return url, int(port)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    kw = {k: getattr(args, k) for k in ("policy", "prefill_policy", "decode_policy") if getattr(args, k)}
+    cfg = RouterConfig(
+        tokenizer=args.tokenizer, model_name=args.model_name, host=args.host, port=args.port,
+        workers=tuple(args.workers), prefill=tuple(_prefill(s) for s in args.prefill), decode=tuple(args.decode),
+        local_prefill_threshold=args.local_prefill_threshold, max_retries=args.max_retries,
+        max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout, rate_limit=args.rate_limit,
+        health_interval=args.health_interval, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+        **kw)
+    import uvicorn
+
+    from tandem.router.app import build_app
+
+    uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    return 0

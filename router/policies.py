@@ -1,0 +1,74 @@
+"""Dispatch policies: pick one worker among the eligible ones.
+
+    round_robin     in turn
+    random          uniformly
+    least_requests  fewest requests in flight
+    least_tokens    fewest outstanding tokens (prompt + max_tokens of requests in flight)
+    power_of_two    the less loaded (tokens) of two picked at random
+    cache_aware     the longest estimated cached prefix (router/prefix_index.py) if it covers
+                    at least `threshold` of the prompt and load is balanced; otherwise by
+                    load. A miss never picks "the smallest tree": a worker with little cached
+                    attracts every new prefix and becomes the hotspot (sgl-router's users
+                    hit exactly this spiral).
+
+Balanced means max/min in-flight requests within `balance` (+1, so an idle pool is balanced).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from tandem.router.prefix_index import PrefixIndex, block_names
+from tandem.router.workers import Worker
+
+POLICIES = ("round_robin", "random", "least_requests", "least_tokens", "power_of_two", "cache_aware")
+
+
+class Policy:
+    def __init__(self, name: str, index: PrefixIndex | None = None, threshold: float = 0.3,
+                 balance: float = 1.3, seed: int | None = None) -> None:
+        if name not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+        self.name, self.threshold, self.balance = name, threshold, balance
+        self.index = index or PrefixIndex()
+        self.rng = random.Random(seed)
+        self._rr = itertools.count()
+        self.hits = self.misses = 0
+
+    def pick(self, workers: Sequence[Worker], ids: Sequence[int]) -> tuple[Worker, int]:
+        """(worker, estimated cached prefix tokens on it)."""
+        assert workers, "no eligible worker"
+        names = block_names(ids, self.index.block) if self.name == "cache_aware" else []
+        if self.name == "round_robin":
+            w = workers[next(self._rr) % len(workers)]
+        elif self.name == "random":
+            w = self.rng.choice(list(workers))
+        elif self.name == "least_requests":
+            w = min(workers, key=lambda x: (x.requests, x.tokens))
+        elif self.name == "least_tokens":
+            w = _least_tokens(workers)
+        elif self.name == "power_of_two":
+            w = _least_tokens(self.rng.sample(list(workers), min(2, len(workers))))
+        else:
+            w = self._cache_aware(workers, names, len(ids))
+        matched = self.index.match(w.url, names) * self.index.block if names else 0
+        if names:
+            self.index.insert(w.url, names)
+        return w, matched
+
+    def _cache_aware(self, workers: Sequence[Worker], names: list[int], n: int) -> Worker:
+        loads = [w.requests for w in workers]
+        balanced = max(loads) + 1 <= self.balance * (min(loads) + 1)
+        best = max(workers, key=lambda w: (self.index.match(w.url, names), -w.requests))
+        covered = self.index.match(best.url, names) * self.index.block
+        if balanced and n and covered / n >= self.threshold:
+            self.hits += 1
+            return best
+        self.misses += 1
+        return _least_tokens(workers)
+
+
+def _least_tokens(workers: Sequence[Worker]) -> Worker:
+    return min(workers, key=lambda x: (x.tokens, x.requests))

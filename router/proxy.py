@@ -1,0 +1,216 @@
+"""Dispatch, retries and relay: a request's path through the router.
+
+    choose a worker (colocated) or a pair (PD) -> send -> status known?
+        connect error, 5xx, 408, 429 -> back off (exponential, jittered), another worker/pair
+        anything else               -> relay to the client; from the first byte on, no retry
+    a worker dying mid-stream -> the client gets an SSE error event and [DONE]
+
+PD mode: the same body, plus bootstrap_host/port/room, goes to a prefill (non-streaming,
+its answer read and dropped) and to a decode (streamed to the client). When the decode
+worker is estimated to hold all but `local_prefill_threshold` tokens of the prompt, the
+request goes to decode alone (conditional disaggregation; decode prefills it itself).
+
+Load (requests, tokens) is held from dispatch until the last byte or a cancellation, on
+every worker a request touches; a client that goes away closes the worker connections,
+which aborts the request there (the workers free its pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policies import Policy
+from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
+from tandem.server.errors import ApiError, error_body
+
+
+@dataclass
+class Job:
+    path: str
+    body: dict[str, Any]  # what the workers get
+    ids: list[int]  # the routing key: the (first) prompt's token ids
+    tokens: int  # load estimate: prompt + generation budget, all choices
+    stream: bool
+
+
+@dataclass(eq=False)
+class Route:
+    main: Worker  # the worker that answers the client (colocated or decode)
+    body: dict[str, Any]
+    prefill: Worker | None = None
+    held: list[Worker] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_retries: int = 2
+    backoff: float = 0.05
+    local_prefill_threshold: int = 32
+
+
+class Proxy:
+    def __init__(self, cfg: ProxyConfig, workers: WorkerSet, policies: dict[str, Policy],
+                 metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
+        self.cfg, self.workers, self.policies, self.metrics, self.client = cfg, workers, policies, metrics, client
+
+    def pd_mode(self) -> bool:
+        return PREFILL in self.workers.roles()
+
+    async def handle(self, job: Job) -> Response:
+        tried: set[str] = set()
+        last = (503, "no healthy worker is available")
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+                base = self.cfg.backoff * 2 ** (attempt - 1)
+                await asyncio.sleep(min(2.0, base + random.uniform(0, base)))
+            route = self.choose(job, tried)
+            if route is None:
+                break
+            tried.update(w.url for w in (route.main, route.prefill) if w is not None)
+            result = await self._attempt(job, route)
+            if isinstance(result, Response):
+                return result
+            last = result
+        status, message = last
+        raise ApiError(503 if status >= 500 or status == 408 else status, message)
+
+    # ---- choice ---------------------------------------------------------------------------------
+    def _candidates(self, role: str, tried: set[str]) -> list[Worker]:
+        pool = self.workers.eligible(role)
+        fresh = [w for w in pool if w.url not in tried]
+        return fresh or pool  # a retry prefers another worker, but one left is still one
+
+    def choose(self, job: Job, tried: set[str]) -> Route | None:
+        if not self.pd_mode():
+            pool = self._candidates(COLOCATED, tried) or self._candidates(DECODE, tried)
+            if not pool:
+                return None
+            return Route(self._pick(COLOCATED, pool, job.ids)[0], job.body)
+        decodes = self._candidates(DECODE, tried)
+        if not decodes:
+            return None
+        d, matched = self._pick(DECODE, decodes, job.ids)
+        if len(job.ids) - matched <= self.cfg.local_prefill_threshold:
+            self.metrics.pd_decisions.labels("decode_alone").inc()
+            return Route(d, job.body)
+        prefills = [p for p in self._candidates(PREFILL, tried) if p.bootstrap_port is not None]
+        same = [p for p in prefills if p.generation == d.generation]  # never pair across a rollout
+        if not same:
+            return None
+        p, _ = self._pick(PREFILL, same, job.ids)
+        self.metrics.pd_decisions.labels("disaggregated").inc()
+        body = {**job.body, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port,
+                "bootstrap_room": random.randrange(2**63 - 2**16)}  # room + i per choice stays < 2**63
+        return Route(d, body, prefill=p)
+
+    def _pick(self, role: str, pool: list[Worker], ids: list[int]) -> tuple[Worker, int]:
+        policy = self.policies[role if role in self.policies else COLOCATED]
+        hits = policy.hits
+        w, matched = policy.pick(pool, ids)
+        if policy.name == "cache_aware":
+            (self.metrics.cache_hits if policy.hits > hits else self.metrics.cache_misses).inc()
+            self.metrics.matched_tokens.inc(matched)
+        return w, matched
+
+    # ---- one attempt ------------------------------------------------------------------------------
+    def _hold(self, route: Route, job: Job) -> Callable[[], None]:
+        route.held = [w for w in (route.main, route.prefill) if w is not None]
+        for w in route.held:
+            w.requests += 1
+            w.tokens += job.tokens
+            w.breaker.on_dispatch()
+
+        def release() -> None:
+            for w in route.held:
+                w.requests -= 1
+                w.tokens -= job.tokens
+            route.held = []
+
+        return release
+
+    async def _prefill(self, route: Route, job: Job) -> None:
+        assert route.prefill is not None
+        p = route.prefill
+        try:
+            r = await self.client.post(p.url + job.path, json={**route.body, "stream": False})
+            (p.breaker.on_fault if r.status_code >= 500 else p.breaker.on_success)()
+        except httpx.HTTPError:
+            p.breaker.on_fault()
+
+    async def _attempt(self, job: Job, route: Route) -> Response | tuple[int, str]:
+        release = self._hold(route, job)
+        prefill = asyncio.create_task(self._prefill(route, job)) if route.prefill is not None else None
+        t0 = time.monotonic()
+        streaming = False
+        try:
+            try:
+                resp = await self.client.send(
+                    self.client.build_request("POST", route.main.url + job.path, json=route.body), stream=True)
+            except httpx.HTTPError as exc:
+                route.main.breaker.on_fault()
+                return 503, f"worker {route.main.url} unreachable: {type(exc).__name__}"
+            if resp.status_code >= 500 or resp.status_code in (408, 429):
+                text = (await resp.aread()).decode(errors="replace")
+                await resp.aclose()
+                if resp.status_code != 429:  # 429: busy, not broken
+                    route.main.breaker.on_fault()
+                return resp.status_code, _message(text, resp.status_code)
+            route.main.breaker.on_success()
+            media = resp.headers.get("content-type", "application/json")
+            if not job.stream or not media.startswith("text/event-stream"):
+                try:
+                    content = await resp.aread()
+                except httpx.HTTPError as exc:  # died before answering: nothing reached the client yet
+                    route.main.breaker.on_fault()
+                    return 503, f"worker {route.main.url} failed mid-answer: {type(exc).__name__}"
+                finally:
+                    await resp.aclose()
+                self.metrics.latency.observe(time.monotonic() - t0)
+                return Response(content, status_code=resp.status_code, media_type=media)
+            streaming = True
+            return StreamingResponse(self._relay(resp, route, release, prefill, t0), status_code=resp.status_code,
+                                     media_type=media)
+        finally:
+            if not streaming:  # the relay releases a stream when it ends
+                release()
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()
+
+    async def _relay(self, resp: httpx.Response, route: Route, release: Callable[[], None],
+                     prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
+        last = None
+        try:
+            async for chunk in resp.aiter_raw():
+                now = time.monotonic()
+                (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
+                last = now
+                yield chunk
+        except httpx.HTTPError as exc:  # the worker died mid-stream: too late to retry
+            route.main.breaker.on_fault()
+            err = error_body(503, f"worker {route.main.url} failed mid-stream ({type(exc).__name__}); "
+                                  "the answer is incomplete", code="worker_failed")
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            self.metrics.latency.observe(time.monotonic() - t0)
+            await resp.aclose()
+            release()
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+
+
+def _message(text: str, status: int) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text[:500] or f"worker answered {status}"

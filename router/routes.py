@@ -1,0 +1,167 @@
+"""The router's HTTP surface: OpenAI routes and /generate (validated with the workers' own
+request models, tokenized once here), health, metrics, and the admin API for workers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field
+
+from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tandem.router.proxy import Job
+from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
+from tandem.server.errors import ApiError, bad_request, error_response
+
+router = APIRouter()
+DEFAULT_BUDGET = 256  # load estimate for a request without max_tokens
+
+
+def _state(request: Request) -> Any:
+    return request.app.state.router
+
+
+def _check_model(state: Any, model: str) -> None:
+    if state.model_name is not None and model != state.model_name:
+        raise bad_request(f"the model {model!r} does not exist; this router serves {state.model_name!r}",
+                          code="model_not_found", param="model")
+
+
+async def _run(request: Request, state: Any, job: Job) -> Response:
+    state.metrics.prompt_tokens.inc(len(job.ids))
+    async with state.admission.slot():
+        work = asyncio.ensure_future(state.proxy.handle(job))
+        if job.stream:
+            response = await work  # a stream ends on disconnect by itself (its relay is cancelled)
+        else:
+            response = await _unless_disconnected(request, work)
+    return response
+
+
+async def _unless_disconnected(request: Request, work: asyncio.Future) -> Response:
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()  # closes the worker connections: the workers abort and free the pages
+        raise ApiError(400, "the client disconnected")
+    return work.result()
+
+
+async def _tokens(state: Any, fn: Any, *args: Any) -> list[int]:
+    try:
+        return await asyncio.to_thread(fn, *args)  # off the event loop: long prompts take ms
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from None
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    _check_model(state, body.model)
+    raw = await request.json()
+    prompts = body.prompts()
+    ids = [p if isinstance(p, list) else await _tokens(state, state.tokenizer.encode, p) for p in prompts]
+    if not body.echo:  # workers get ids (echo needs the text as written)
+        raw["prompt"] = ids[0] if len(ids) == 1 else ids
+    budget = body.max_tokens if body.max_tokens is not None else DEFAULT_BUDGET
+    job = Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
+    return await _run(request, state, job)
+
+
+@router.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    _check_model(state, body.model)
+    raw = await request.json()
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ids = await _tokens(state, state.tokenizer.chat, messages)
+    budget = body.max_new_tokens or DEFAULT_BUDGET
+    return await _run(request, state, Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n,
+                                          body.stream))
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = _state(request)
+    raw = await request.json()
+    first = body.prompts()[0]
+    ids = first if isinstance(first, list) else await _tokens(state, state.tokenizer.encode, first)
+    budget = body.sampling_params.max_new_tokens
+    return await _run(request, state, Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()),
+                                          body.stream))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "tandem",
+                                        "created": state.started}]}
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> Response:
+    """Ready when a request can be served: a colocated worker, or a decode (and a prefill, in PD)."""
+    ws = _state(request).workers
+    if ws.eligible(COLOCATED) or (ws.eligible(DECODE) and (PREFILL not in ws.roles() or ws.eligible(PREFILL))):
+        return Response(status_code=200)
+    return error_response(503, "no healthy worker")
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    text = state.metrics.render(list(state.workers.workers.values()), len(state.admission.queue),
+                                state.admission.inflight)
+    return Response(text, media_type="text/plain; version=0.0.4")
+
+
+# ---- admin: workers at run time -----------------------------------------------------------------
+class WorkerBody(BaseModel):
+    url: str = Field(pattern=r"^https?://")
+    role: str = Field(default=COLOCATED, pattern=f"^({COLOCATED}|{PREFILL}|{DECODE})$")
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    generation: str = ""
+
+
+def _describe(w: Worker) -> dict[str, Any]:
+    return {"url": w.url, "role": w.role, "bootstrap_port": w.bootstrap_port, "generation": w.generation,
+            "healthy": w.healthy, "breaker": w.breaker.state, "requests": w.requests, "tokens": w.tokens}
+
+
+@router.get("/workers")
+async def list_workers(request: Request) -> dict[str, Any]:
+    return {"workers": [_describe(w) for w in _state(request).workers.workers.values()]}
+
+
+@router.post("/workers")
+async def add_worker(body: WorkerBody, request: Request) -> dict[str, Any]:
+    if body.role == PREFILL and body.bootstrap_port is None:
+        raise bad_request("a prefill worker needs its bootstrap_port", param="bootstrap_port")
+    state = _state(request)
+    w = state.workers.add(Worker(body.url, body.role, body.bootstrap_port, body.generation))
+    await state.health.check(w)
+    return _describe(w)
+
+
+@router.delete("/workers")
+async def remove_worker(url: str, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    w = state.workers.remove(url)
+    if w is None:
+        raise ApiError(404, f"no worker {url}", param="url")
+    for p in state.proxy.policies.values():
+        p.index.remove(w.url)
+    return {"removed": w.url}

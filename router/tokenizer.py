@@ -1,0 +1,52 @@
+"""The router's tokenizer: HF's fast tokenizer (`tokenizers`, Rust) and the model's chat
+template (jinja2, sandboxed, as transformers renders it), torch-free and transformers-free.
+
+It must produce the ids a worker's front produces (tandem/server/tokens.py): prompts with
+the tokenizer's special tokens, chat with the template's text encoded without them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class RouterTokenizer:
+    def __init__(self, model_dir: str) -> None:
+        root = Path(model_dir)
+        self.tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        cfg: dict[str, Any] = {}
+        if (root / "tokenizer_config.json").is_file():
+            cfg = json.loads((root / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if template is None and (root / "chat_template.jinja").is_file():
+            template = (root / "chat_template.jinja").read_text()
+        self.specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(template) if isinstance(template, str) else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Raises ValueError when there is no template or it rejects the conversation."""
+        if self.template is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
+        except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
+            raise ValueError(f"the chat template rejected the messages: {exc}") from None
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)

@@ -1,0 +1,96 @@
+"""The workers the router knows: their role, load, health and circuit breaker.
+
+Load is counted by the router itself, per request, from dispatch until the last byte
+reaches the client or the request is cancelled (a stream is load until it ends):
+`requests` in flight and `tokens` outstanding (prompt + max_tokens).
+
+A worker is eligible for new requests when it is healthy (active checks), its breaker
+lets requests through, and it is not being removed (draining, deleted pod).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
+
+
+@dataclass
+class Breaker:
+    """Counts worker faults only (connect errors, timeouts, 5xx), never 4xx: a client's bad
+    request says nothing about the worker. closed -> open after `threshold` consecutive
+    faults; after `cooldown` s one trial request (half-open) closes or reopens it."""
+
+    threshold: int = 5
+    cooldown: float = 10.0
+    faults: int = 0
+    opened_at: float | None = None
+    trial: bool = False
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if time.monotonic() - self.opened_at >= self.cooldown else "open"
+
+    def allows(self) -> bool:
+        s = self.state
+        return s == "closed" or (s == "half_open" and not self.trial)
+
+    def on_dispatch(self) -> None:
+        if self.state == "half_open":
+            self.trial = True
+
+    def on_success(self) -> None:
+        self.faults, self.opened_at, self.trial = 0, None, False
+
+    def on_fault(self) -> None:
+        self.faults += 1
+        if self.opened_at is not None or self.faults >= self.threshold:
+            self.opened_at, self.trial = time.monotonic(), False
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str = COLOCATED
+    bootstrap_port: int | None = None  # prefill only
+    generation: str = ""  # PD pairs only workers of one model generation
+    requests: int = 0
+    tokens: int = 0
+    healthy: bool = True
+    removing: bool = False
+    fails: int = 0  # consecutive failed health checks
+    breaker: Breaker = field(default_factory=Breaker)
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.removing and self.breaker.allows()
+
+    @property
+    def host(self) -> str:
+        return self.url.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+class WorkerSet:
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+
+    def add(self, w: Worker) -> Worker:
+        w.url = w.url.rstrip("/")
+        old = self.workers.get(w.url)
+        if old is not None:  # re-added (a restarted pod): keep its load, refresh the rest
+            old.role, old.bootstrap_port, old.generation, old.removing = w.role, w.bootstrap_port, w.generation, False
+            return old
+        self.workers[w.url] = w
+        return w
+
+    def remove(self, url: str) -> Worker | None:
+        return self.workers.pop(url.rstrip("/"), None)
+
+    def eligible(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.eligible]
+
+    def roles(self) -> set[str]:
+        return {w.role for w in self.workers.values()}

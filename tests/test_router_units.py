@@ -1,0 +1,138 @@
+"""The router's parts without servers: policies (cache_aware never spirals into the smallest
+tree), the prefix index, the circuit breaker (4xx never counts), admission (bounded FIFO,
+429), the tokenizer (the workers' ids), and the torch-free import."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi")
+from tandem.router.admission import Admission  # noqa: E402
+from tandem.router.policies import Policy  # noqa: E402
+from tandem.router.prefix_index import PrefixIndex, block_names  # noqa: E402
+from tandem.router.workers import Breaker, Worker  # noqa: E402
+from tandem.server.errors import ApiError  # noqa: E402
+
+
+def _pool(n: int = 4) -> list[Worker]:
+    return [Worker(f"http://w{i}") for i in range(n)]
+
+
+def test_prefix_index_matches_prefixes_and_forgets_lru() -> None:
+    idx = PrefixIndex(block=4, capacity=6)
+    a, b = list(range(16)), list(range(8)) + [99] * 8
+    idx.insert("w", block_names(a, 4))
+    assert idx.match("w", block_names(a, 4)) == 4
+    assert idx.match("w", block_names(b, 4)) == 2  # shares the first two blocks
+    assert idx.match("x", block_names(a, 4)) == 0
+    idx.insert("w", block_names([7] * 12, 4))  # 3 more blocks: the oldest fall out
+    assert idx.size("w") == 6 and idx.match("w", block_names(a, 4)) < 4
+
+
+def test_cache_aware_follows_the_prefix_and_misses_by_load() -> None:
+    pool = _pool()
+    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.5)
+    prompt = list(range(64))
+    first, _ = pol.pick(pool, prompt)
+    again, matched = pol.pick(pool, prompt + [1, 2, 3])
+    assert again is first and matched == 64
+    # A miss goes by load. The worker with the smallest tree (nothing cached) is not
+    # preferred for being small: it is picked only if it is also the least loaded.
+    for w, load in zip(pool, (5, 0, 3, 3)):
+        w.tokens = load
+    fresh, matched = pol.pick(pool, [500 + i for i in range(64)])
+    assert fresh is pool[1] and matched == 0
+
+
+def test_cache_aware_ignores_a_hit_when_load_is_imbalanced() -> None:
+    pool = _pool(2)
+    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.1, balance=1.3)
+    prompt = list(range(32))
+    hot, _ = pol.pick(pool, prompt)
+    hot.requests, hot.tokens = 10, 1000
+    other = next(w for w in pool if w is not hot)
+    assert pol.pick(pool, prompt)[0] is other  # the hit is on an overloaded worker
+
+
+@pytest.mark.parametrize("name", ["round_robin", "random", "least_requests", "least_tokens", "power_of_two"])
+def test_every_policy_spreads_over_idle_workers(name) -> None:
+    pool = _pool()
+    pol = Policy(name, seed=0)
+    picked = set()
+    for i in range(40):
+        w, _ = pol.pick(pool, [i])
+        picked.add(w.url)
+        w.requests += 1
+        w.tokens += 1
+    assert len(picked) == 4
+
+
+def test_breaker_opens_on_faults_only_and_half_opens() -> None:
+    b = Breaker(threshold=3, cooldown=0.05)
+    for _ in range(2):
+        b.on_fault()
+    b.on_success()  # a success (any status under 500, 4xx included) resets the count
+    for _ in range(3):
+        assert b.allows()
+        b.on_fault()
+    assert b.state == "open" and not b.allows()
+    import time
+
+    time.sleep(0.06)
+    assert b.state == "half_open" and b.allows()
+    b.on_dispatch()
+    assert not b.allows()  # one trial at a time
+    b.on_success()
+    assert b.state == "closed"
+
+
+def test_admission_queues_in_order_and_refuses_past_its_bounds() -> None:
+    async def main() -> None:
+        adm = Admission(max_inflight=1, max_queue=2, queue_timeout=0.3)
+        order: list[int] = []
+
+        async def req(i: int, hold: float) -> None:
+            async with adm.slot():
+                order.append(i)
+                await asyncio.sleep(hold)
+
+        first = asyncio.create_task(req(0, 0.1))
+        await asyncio.sleep(0.01)
+        waiting = [asyncio.create_task(req(i, 0.01)) for i in (1, 2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:
+            await req(3, 0)
+        assert full.value.status == 429
+        await asyncio.gather(first, *waiting)
+        assert order == [0, 1, 2] and adm.inflight == 0
+        slow = asyncio.create_task(req(4, 0.5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError, match="waited"):
+            await req(5, 0)
+        await slow
+
+    asyncio.run(main())
+
+
+def test_tokenizer_gives_the_workers_ids(model_path) -> None:
+    from transformers import AutoTokenizer
+
+    from tandem.router.tokenizer import RouterTokenizer
+
+    model = str(model_path("tiny"))
+    ours, hf = RouterTokenizer(model), AutoTokenizer.from_pretrained(model)
+    for text in ("hello world", "  spaces\tand\nlines ", "ünïcödé ✓"):
+        assert ours.encode(text) == list(hf.encode(text))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert ours.chat(msgs) == list(hf.encode(text, add_special_tokens=False))
+
+
+def test_router_never_imports_torch() -> None:
+    code = ("import sys; import tandem.router.app, tandem.router.cli; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
