@@ -16,11 +16,12 @@ from fastapi import FastAPI
 from tandem.router import routes
 from tandem.router.admission import Admission
 from tandem.router.config import RouterConfig
+from tandem.router.discovery import PodDiscovery
 from tandem.router.health import HealthChecker
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Policy
 from tandem.router.proxy import Proxy, ProxyConfig
-from tandem.router.tokenizer import RouterTokenizer
+from tandem.router.tokenizer import ByteTokenizer, RouterTokenizer, load_tokenizer
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Breaker, Worker, WorkerSet
 from tandem.server import errors
 from tandem.server.security import Guard
@@ -31,7 +32,7 @@ log = logging.getLogger("tandem.router")
 @dataclass
 class RouterState:
     config: RouterConfig
-    tokenizer: RouterTokenizer
+    tokenizer: RouterTokenizer | ByteTokenizer
     workers: WorkerSet
     proxy: Proxy
     admission: Admission
@@ -39,6 +40,7 @@ class RouterState:
     metrics: RouterMetrics
     model_name: str | None
     started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
 
 
 def _workers(cfg: RouterConfig) -> WorkerSet:
@@ -79,17 +81,22 @@ def build_app(cfg: RouterConfig) -> FastAPI:
                           ws, policies, metrics, client)
             health = HealthChecker(ws, client, cfg.health_interval, cfg.health_timeout, cfg.health_fail_threshold)
             await health.check_all()
-            state = RouterState(cfg, RouterTokenizer(cfg.tokenizer), ws, proxy,
+            state = RouterState(cfg, load_tokenizer(cfg.tokenizer), ws, proxy,
                                 Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout, cfg.rate_limit,
                                           cfg.burst),
                                 health, metrics, await _model_name(cfg, ws, client))
             app.state.router = state
-            checks = asyncio.create_task(health.run())
+            tasks = [asyncio.create_task(health.run())]
+            if cfg.selectors:
+                discovery = PodDiscovery(ws, cfg.namespace, dict(cfg.selectors),
+                                         on_remove=lambda url: [p.index.remove(url) for p in policies.values()])
+                tasks.append(asyncio.create_task(discovery.run()))
             log.info("router ready: %d workers, serving %r", len(ws.workers), state.model_name)
             try:
                 yield
             finally:
-                checks.cancel()
+                for t in tasks:
+                    t.cancel()
 
     app = FastAPI(title="tandem router", version="0.1.0", lifespan=lifespan)
     errors.install(app)

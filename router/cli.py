@@ -8,19 +8,25 @@ import os
 import sys
 
 from tandem.router.config import RouterConfig
+from tandem.router.discovery import role_selectors
 from tandem.router.policies import POLICIES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="the OpenAI-compatible router in front of the workers")
-    p.add_argument("--tokenizer", "--model", dest="tokenizer", required=True,
-                   help="model directory with tokenizer.json (and its chat template)")
+    p.add_argument("--tokenizer", "--model", dest="tokenizer", default=None,
+                   help="model directory with tokenizer.json (and its chat template); without it the "
+                        "router routes on the text's bytes and sends workers text")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the workers')")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", nargs="*", default=[], help="colocated worker URLs")
     p.add_argument("--prefill", nargs="*", default=[], help="prefill workers: URL=BOOTSTRAP_PORT")
     p.add_argument("--decode", nargs="*", default=[], help="decode worker URLs")
+    p.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    p.add_argument("--selector", default=None, help="Kubernetes: label selector of colocated worker pods")
+    p.add_argument("--prefill-selector", default=None, help="Kubernetes: label selector of prefill pods")
+    p.add_argument("--decode-selector", default=None, help="Kubernetes: label selector of decode pods")
     for flag in ("--policy", "--prefill-policy", "--decode-policy"):
         p.add_argument(flag, choices=POLICIES, default=None)
     p.add_argument("--local-prefill-threshold", type=int, default=32)
@@ -50,8 +56,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = RouterConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, host=args.host, port=args.port,
         workers=tuple(args.workers), prefill=tuple(_prefill(s) for s in args.prefill), decode=tuple(args.decode),
+        namespace=args.namespace,
+        selectors=tuple(role_selectors(args.selector, args.prefill_selector, args.decode_selector).items()),
         local_prefill_threshold=args.local_prefill_threshold, max_retries=args.max_retries,
-        max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout, rate_limit=args.rate_limit,
+        max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+        rate_limit=args.rate_limit,
         health_interval=args.health_interval, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         **kw)
     import uvicorn

@@ -9,13 +9,15 @@ from tandem.router.policies import POLICIES
 
 @dataclass(frozen=True)
 class RouterConfig:
-    tokenizer: str  # the model directory (tokenizer.json, chat template)
+    tokenizer: str | None = None  # the model directory (tokenizer.json, template); None: route on bytes
     model_name: str | None = None  # the id clients send; None: taken from the first worker
     host: str = "127.0.0.1"
     port: int = 8000
     workers: tuple[str, ...] = ()  # colocated
     prefill: tuple[tuple[str, int], ...] = ()  # (url, bootstrap port)
     decode: tuple[str, ...] = ()
+    namespace: str = "default"
+    selectors: tuple[tuple[str, str], ...] = ()  # (role, label selector): Kubernetes discovery
     policy: str = "cache_aware"
     prefill_policy: str = "least_tokens"
     decode_policy: str = "cache_aware"

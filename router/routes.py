@@ -13,6 +13,7 @@ from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest,
 from tandem.router.proxy import Job
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
 from tandem.server.errors import ApiError, bad_request, error_response
+from tandem.worker_contract import DRAIN_PATH
 
 router = APIRouter()
 DEFAULT_BUDGET = 256  # load estimate for a request without max_tokens
@@ -55,9 +56,14 @@ async def _unless_disconnected(request: Request, work: asyncio.Future) -> Respon
     return work.result()
 
 
-async def _tokens(state: Any, fn: Any, *args: Any) -> list[int]:
+INLINE_CHARS = 2048  # shorter texts tokenize in ~50 us: a thread hop would cost more than it saves
+
+
+async def _tokens(state: Any, fn: Any, arg: Any) -> list[int]:
     try:
-        return await asyncio.to_thread(fn, *args)  # off the event loop: long prompts take ms
+        if len(str(arg)) <= INLINE_CHARS:
+            return fn(arg)
+        return await asyncio.to_thread(fn, arg)  # off the event loop: long prompts take ms
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
 
@@ -69,7 +75,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     raw = await request.json()
     prompts = body.prompts()
     ids = [p if isinstance(p, list) else await _tokens(state, state.tokenizer.encode, p) for p in prompts]
-    if not body.echo:  # workers get ids (echo needs the text as written)
+    if not body.echo and state.tokenizer.real:  # workers get ids (echo needs the text as written)
         raw["prompt"] = ids[0] if len(ids) == 1 else ids
     budget = body.max_tokens if body.max_tokens is not None else DEFAULT_BUDGET
     job = Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
@@ -114,6 +120,8 @@ async def health() -> Response:
 @router.get("/health/ready")
 async def ready(request: Request) -> Response:
     """Ready when a request can be served: a colocated worker, or a decode (and a prefill, in PD)."""
+    if _state(request).draining:
+        return error_response(503, "draining")
     ws = _state(request).workers
     if ws.eligible(COLOCATED) or (ws.eligible(DECODE) and (PREFILL not in ws.roles() or ws.eligible(PREFILL))):
         return Response(status_code=200)
@@ -126,6 +134,19 @@ async def metrics(request: Request) -> Response:
     text = state.metrics.render(list(state.workers.workers.values()), len(state.admission.queue),
                                 state.admission.inflight)
     return Response(text, media_type="text/plain; version=0.0.4")
+
+
+@router.post(DRAIN_PATH)
+async def drain(request: Request) -> dict[str, Any]:
+    """preStop: readiness goes false (no new traffic from the Service), in-flight requests get
+    up to 30 s to finish. New requests meanwhile still go through: the Service keeps sending
+    some until the endpoint update lands."""
+    state = _state(request)
+    state.draining = True
+    deadline = asyncio.get_running_loop().time() + 30
+    while state.admission.inflight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    return {"in_flight": state.admission.inflight}
 
 
 # ---- admin: workers at run time -----------------------------------------------------------------

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 
 
 class RouterTokenizer:
+    real = True
+
     def __init__(self, model_dir: str) -> None:
         root = Path(model_dir)
         self.tok = Tokenizer.from_file(str(root / "tokenizer.json"))
@@ -42,6 +44,24 @@ class RouterTokenizer:
         except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
         return self.tok.encode(text, add_special_tokens=False).ids
+
+
+class ByteTokenizer:
+    """Without the model's tokenizer (a router pod with no model mounted): UTF-8 bytes stand in
+    for token ids. They serve routing only (prefix matching works on bytes as on tokens);
+    workers then get the text, never these ids."""
+
+    real = False
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(json.dumps(messages, separators=(",", ":")).encode())
+
+
+def load_tokenizer(model_dir: str | None) -> RouterTokenizer | ByteTokenizer:
+    return RouterTokenizer(model_dir) if model_dir else ByteTokenizer()
 
 
 def _token_text(value: Any) -> str | None:

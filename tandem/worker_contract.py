@@ -28,6 +28,11 @@ BOOTSTRAP_PORT = 8998
 HTTP_PORT_NAME, BOOTSTRAP_PORT_NAME = "http", "bootstrap"
 KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
 
+# ---- labels ----
+# A hash of what makes prefill and decode compatible (image, model, engine config): the router
+# pairs only pods of one generation, so a rolling update never pairs incompatible workers.
+GENERATION_LABEL = "tandem.dev/model-generation"
+
 # ---- paths ----
 HEALTH_PATH = "/health"
 READY_PATH = "/health/ready"

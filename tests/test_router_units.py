@@ -50,7 +50,7 @@ def test_cache_aware_follows_the_prefix_and_misses_by_load() -> None:
 
 def test_cache_aware_ignores_a_hit_when_load_is_imbalanced() -> None:
     pool = _pool(2)
-    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.1, balance=1.3)
+    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.1, balance=1.3, balance_abs=4)
     prompt = list(range(32))
     hot, _ = pol.pick(pool, prompt)
     hot.requests, hot.tokens = 10, 1000
@@ -136,3 +136,70 @@ def test_router_never_imports_torch() -> None:
     code = ("import sys; import tandem.router.app, tandem.router.cli; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _pod_events(role: str, uid: str, ip: str, generation: str = "g1") -> list[tuple[str, dict]]:
+    """A pod's life as the API server reports it, built from the operator's own pod template:
+    created (not ready), ready, marked for deletion (still Ready while it drains), deleted."""
+    import copy
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "operator"))
+    from operator_support import EXAMPLES_DIR, load_example
+
+    from tandem.operator.reconcile import reconcile
+    from tandem.worker_contract import GENERATION_LABEL
+
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in reconcile(load_example(EXAMPLES_DIR /
+                                                                                     "inferenceservice-minimal.yaml"))}
+    dep = next(c for (kind, name), c in kids.items() if kind == "Deployment" and name.endswith(f"-{role}"))
+    template = dep["spec"]["template"]
+    pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{role}-{uid}", "uid": uid},
+           "spec": copy.deepcopy(template["spec"]), "status": {"phase": "Pending"}}
+    pod["metadata"]["labels"][GENERATION_LABEL] = generation
+    created = copy.deepcopy(pod)
+    running = copy.deepcopy(pod)
+    running["status"] = {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+    terminating = copy.deepcopy(running)
+    terminating["metadata"]["deletionTimestamp"] = "2026-11-23T02:00:00Z"
+    return [("ADDED", created), ("MODIFIED", running), ("MODIFIED", terminating), ("DELETED", terminating)]
+
+
+def test_discovery_follows_pod_events_and_drops_a_terminating_pod_at_once() -> None:
+    from tandem.router.discovery import PodDiscovery
+    from tandem.router.workers import DECODE, PREFILL, WorkerSet
+
+    ws = WorkerSet()
+    removed: list[str] = []
+    d = PodDiscovery(ws, "default", {PREFILL: "x", DECODE: "y"}, on_remove=removed.append)
+    pre, dec = _pod_events(PREFILL, "p1", "10.0.0.1"), _pod_events(DECODE, "d1", "10.0.0.2")
+    d.apply(*pre[0], PREFILL)
+    assert not ws.workers  # not ready yet
+    d.apply(*pre[1], PREFILL)
+    d.apply(*dec[1], DECODE)
+    p = ws.workers["http://10.0.0.1:8000"]
+    assert p.role == PREFILL and p.bootstrap_port == 8998 and p.generation == "g1"
+    assert ws.workers["http://10.0.0.2:8000"].role == DECODE
+    d.apply(*pre[2], PREFILL)  # deletionTimestamp set: gone before its endpoints are
+    assert "http://10.0.0.1:8000" not in ws.workers and removed == ["http://10.0.0.1:8000"]
+    d.apply(*pre[3], PREFILL)  # the DELETED event after it changes nothing
+    d.apply(*dec[3], DECODE)
+    assert not ws.workers
+
+
+def test_pd_pairs_only_one_generation() -> None:
+    import httpx
+
+    from tandem.router.metrics import RouterMetrics
+    from tandem.router.proxy import Job, Proxy, ProxyConfig
+    from tandem.router.workers import COLOCATED, DECODE, PREFILL, WorkerSet
+
+    ws = WorkerSet()
+    ws.add(Worker("http://p-old:8000", PREFILL, 8998, "old"))
+    ws.add(Worker("http://p-new:8000", PREFILL, 8998, "new"))
+    ws.add(Worker("http://d-new:8000", DECODE, None, "new"))
+    policies = {r: Policy("round_robin") for r in (COLOCATED, PREFILL, DECODE)}
+    proxy = Proxy(ProxyConfig(local_prefill_threshold=0), ws, policies, RouterMetrics(), httpx.AsyncClient())
+    for _ in range(4):
+        route = proxy.choose(Job("/generate", {"text": "x"}, list(range(64)), 100, False), set())
+        assert route.prefill.url == "http://p-new:8000" and route.body["bootstrap_host"] == "p-new"

@@ -1,0 +1,231 @@
+"""`tandem router` against `sglang-router` (PyPI), in the same run on the same backends.
+
+    python bench/router.py overhead --rounds 3     # fake workers (bench/fake_worker.py)
+    python bench/router.py cache --rounds 2        # 4 real tiny workers
+
+overhead: two fake workers (TTFT 20 ms, 16 tokens 5 ms apart). Sequential /generate
+    requests straight to a worker and through each router give the added p50/p99 latency;
+    `--concurrency` requests at once give the most requests per second each router carries.
+cache: a multi-tenant workload (8 tenants, each a ~600-token system prompt, then a short
+    question; 128 requests, 8 at a time) over 4 workers behind each router's cache_aware
+    policy. Prefix-cache hit rate = cached prompt tokens / prompt tokens, from the workers'
+    answers; load balance = max/min requests served per worker. The workers' caches are
+    flushed before each router's turn.
+
+Rounds alternate the routers; results go to docs/results/router_<experiment>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests/server"))
+from worker_process import Worker, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def _wait(url: str, path: str = "/health", timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def _sglang_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+                             "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:  # sgl-router answers /health before its workers are registered: wait for a real answer
+        try:
+            if httpx.post(url + "/generate", json={"text": "x", "sampling_params": SP}, timeout=10).is_success:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("sglang-router did not come up")
+        time.sleep(0.5)
+
+
+def _ours(model: str, urls: list[str], policy: str) -> tuple[Worker, str]:
+    r = Worker(["router", "--model", model, "--policy", policy, "--workers", *urls, "--log-level", "warning"])
+    r.wait_ready()
+    return r, r.url
+
+
+async def _latencies(url: str, n: int) -> list[float]:
+    async with httpx.AsyncClient(timeout=60) as c:
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            (await c.post(url + "/generate", json={"text": f"ping {i}", "sampling_params": SP})).raise_for_status()
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+async def _rate(url: str, n: int, concurrency: int) -> float:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with sem:
+                (await c.post(url + "/generate", json={"text": f"load {i}", "sampling_params": SP})).raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    ports = [free_port() for _ in range(2)]
+    fakes = [subprocess.Popen([sys.executable, str(ROOT / "bench/fake_worker.py"), "--port", str(p)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    rows = []
+    try:
+        for u in urls:
+            _wait(u)
+        ours, ours_url = _ours(args.model, urls, "round_robin")
+        sgl, sgl_url = _sglang_router(urls, "round_robin")
+        try:
+            for r in range(args.rounds):
+                order = [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]
+                row: dict = {"direct": asyncio.run(_latencies(urls[0], args.requests))}
+                for name, url in order:
+                    row[name] = asyncio.run(_latencies(url, args.requests))
+                    row[f"{name}_rps"] = asyncio.run(_rate(url, args.load, args.concurrency))
+                d50, d99 = _pct(row["direct"], 0.5), _pct(row["direct"], 0.99)
+                summary = {"round": r}
+                for name in ("tandem", "sglang"):
+                    summary[f"{name}_added_p50_ms"] = 1e3 * (_pct(row[name], 0.5) - d50)
+                    summary[f"{name}_added_p99_ms"] = 1e3 * (_pct(row[name], 0.99) - d99)
+                    summary[f"{name}_rps"] = row[f"{name}_rps"]
+                summary["rps_ratio"] = summary["tandem_rps"] / summary["sglang_rps"]
+                rows.append(summary)
+                print(json.dumps({k: round(v, 2) for k, v in summary.items()}), flush=True)
+        finally:
+            ours.stop()
+            sgl.terminate()
+            sgl.wait(20)
+    finally:
+        for f in fakes:
+            f.terminate()
+            f.wait(20)
+    keys = [k for k in rows[0] if k != "round"]
+    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys},
+            "requests": args.requests, "load": args.load, "concurrency": args.concurrency}
+
+
+def _tenant_workload(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(2000)]
+    systems = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(8)]
+    return [f"{rng.choice(systems)} question {i}: {' '.join(rng.choice(words) for _ in range(12))}"
+            for i in range(128)]
+
+
+def _served(w: Worker) -> float:
+    for line in w.get("/metrics").text.splitlines():
+        if line.startswith('tandem_requests_total{reason="length"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def _run_tenants(url: str, prompts: list[str]) -> tuple[int, int]:
+    async with httpx.AsyncClient(timeout=300) as c:
+        sem = asyncio.Semaphore(8)
+        cached = total = 0
+
+        async def one(p: str) -> None:
+            nonlocal cached, total
+            async with sem:
+                r = await c.post(url + "/generate", json={"text": p, "sampling_params": SP})
+                r.raise_for_status()
+                m = r.json()["meta_info"]
+                cached, total = cached + m["cached_tokens"], total + m["prompt_tokens"]
+
+        await asyncio.gather(*(one(p) for p in prompts))
+        return cached, total
+
+
+def cache(args: argparse.Namespace) -> dict:
+    workers = [Worker.colocated(Path(args.model), "--max-total-tokens", "16384") for _ in range(4)]
+    rows = []
+    try:
+        for w in workers:
+            w.wait_ready(600)
+        urls = [w.url for w in workers]
+        ours, ours_url = _ours(args.model, urls, "cache_aware")
+        sgl, sgl_url = _sglang_router(urls, "cache_aware")
+        try:
+            for r in range(args.rounds):
+                prompts = _tenant_workload(r)
+                row: dict = {"round": r}
+                for name, url in [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]:
+                    for w in workers:
+                        w.post("/flush_cache")
+                    before = [_served(w) for w in workers]
+                    cached, total = asyncio.run(_run_tenants(url, prompts))
+                    served = [_served(w) - b for w, b in zip(workers, before)]
+                    row[f"{name}_hit_rate"] = cached / total
+                    row[f"{name}_max_min_load"] = max(served) / max(1.0, min(served))
+                    row[f"{name}_served"] = served
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            ours.stop()
+            sgl.terminate()
+            sgl.wait(20)
+    finally:
+        for w in workers:
+            w.stop()
+    keys = [k for k in rows[0] if k != "round" and not k.endswith("_served")]
+    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", choices=["overhead", "cache"])
+    ap.add_argument("--model", default=None, help="model directory (its tokenizer; cache: the workers' model)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--load", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    args = ap.parse_args()
+    if args.model is None:
+        from tandem.engine.modelgen.model_builder import resolve_model
+
+        args.model = str(resolve_model("tiny"))
+    result = overhead(args) if args.experiment == "overhead" else cache(args)
+    out = ROOT / "docs/results" / f"router_{args.experiment}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["median"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
