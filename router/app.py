@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 from fastapi import FastAPI
 
@@ -69,16 +70,16 @@ async def _model_name(cfg: RouterConfig, ws: WorkerSet, client: httpx.AsyncClien
 def build_app(cfg: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        timeout = httpx.Timeout(cfg.request_timeout, connect=5.0)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=cfg.request_timeout)
+        async with (httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0)) as client,
+                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session):
             ws = _workers(cfg)
             metrics = RouterMetrics()
             policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
                         for role, name in ((COLOCATED, cfg.policy), (PREFILL, cfg.prefill_policy),
                                            (DECODE, cfg.decode_policy))}
             proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold),
-                          ws, policies, metrics, client)
+                          ws, policies, metrics, session)
             health = HealthChecker(ws, client, cfg.health_interval, cfg.health_timeout, cfg.health_fail_threshold)
             await health.check_all()
             state = RouterState(cfg, load_tokenizer(cfg.tokenizer), ws, proxy,

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.router.metrics import RouterMetrics
@@ -60,7 +60,7 @@ class ProxyConfig:
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig, workers: WorkerSet, policies: dict[str, Policy],
-                 metrics: RouterMetrics, client: httpx.AsyncClient) -> None:
+                 metrics: RouterMetrics, client: aiohttp.ClientSession) -> None:
         self.cfg, self.workers, self.policies, self.metrics, self.client = cfg, workers, policies, metrics, client
 
     def pd_mode(self) -> bool:
@@ -143,9 +143,10 @@ class Proxy:
         assert route.prefill is not None
         p = route.prefill
         try:
-            r = await self.client.post(p.url + job.path, json={**route.body, "stream": False})
-            (p.breaker.on_fault if r.status_code >= 500 else p.breaker.on_success)()
-        except httpx.HTTPError:
+            async with self.client.post(p.url + job.path, json={**route.body, "stream": False}) as r:
+                await r.read()
+                (p.breaker.on_fault if r.status >= 500 else p.breaker.on_success)()
+        except (aiohttp.ClientError, TimeoutError):
             p.breaker.on_fault()
 
     async def _attempt(self, job: Job, route: Route) -> Response | tuple[int, str]:
@@ -155,31 +156,33 @@ class Proxy:
         streaming = False
         try:
             try:
-                resp = await self.client.send(
-                    self.client.build_request("POST", route.main.url + job.path, json=route.body), stream=True)
-            except httpx.HTTPError as exc:
+                resp = await self.client.post(route.main.url + job.path, json=route.body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 route.main.breaker.on_fault()
                 return 503, f"worker {route.main.url} unreachable: {type(exc).__name__}"
-            if resp.status_code >= 500 or resp.status_code in (408, 429):
-                text = (await resp.aread()).decode(errors="replace")
-                await resp.aclose()
-                if resp.status_code != 429:  # 429: busy, not broken
+            if resp.status >= 500 or resp.status in (408, 429):
+                try:
+                    text = (await resp.read()).decode(errors="replace")
+                except (aiohttp.ClientError, TimeoutError):
+                    text = ""
+                resp.close()
+                if resp.status != 429:  # 429: busy, not broken
                     route.main.breaker.on_fault()
-                return resp.status_code, _message(text, resp.status_code)
+                return resp.status, _message(text, resp.status)
             route.main.breaker.on_success()
             media = resp.headers.get("content-type", "application/json")
             if not job.stream or not media.startswith("text/event-stream"):
                 try:
-                    content = await resp.aread()
-                except httpx.HTTPError as exc:  # died before answering: nothing reached the client yet
+                    content = await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:  # died before answering: nothing sent yet
                     route.main.breaker.on_fault()
                     return 503, f"worker {route.main.url} failed mid-answer: {type(exc).__name__}"
                 finally:
-                    await resp.aclose()
+                    resp.release()
                 self.metrics.latency.observe(time.monotonic() - t0)
-                return Response(content, status_code=resp.status_code, media_type=media)
+                return Response(content, status_code=resp.status, media_type=media)
             streaming = True
-            return StreamingResponse(self._relay(resp, route, release, prefill, t0), status_code=resp.status_code,
+            return StreamingResponse(self._relay(resp, route, release, prefill, t0), status_code=resp.status,
                                      media_type=media)
         finally:
             if not streaming:  # the relay releases a stream when it ends
@@ -187,23 +190,23 @@ class Proxy:
                 if prefill is not None and not prefill.done():
                     prefill.cancel()
 
-    async def _relay(self, resp: httpx.Response, route: Route, release: Callable[[], None],
+    async def _relay(self, resp: aiohttp.ClientResponse, route: Route, release: Callable[[], None],
                      prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
         last = None
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.content.iter_any():
                 now = time.monotonic()
                 (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
                 last = now
                 yield chunk
-        except httpx.HTTPError as exc:  # the worker died mid-stream: too late to retry
+        except (aiohttp.ClientError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
             route.main.breaker.on_fault()
             err = error_body(503, f"worker {route.main.url} failed mid-stream ({type(exc).__name__}); "
                                   "the answer is incomplete", code="worker_failed")
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             self.metrics.latency.observe(time.monotonic() - t0)
-            await resp.aclose()
+            resp.close()  # a stream cut short (client gone) closes the connection: the worker aborts
             release()
             if prefill is not None and not prefill.done():
                 prefill.cancel()
