@@ -5,9 +5,10 @@
     least_requests  fewest requests in flight
     least_tokens    fewest outstanding tokens (prompt + max_tokens of requests in flight)
     power_of_two    the less loaded (tokens) of two picked at random
-    cache_aware     the longest estimated cached prefix (router/prefix_index.py) if it covers
-                    at least `threshold` of the prompt and load is balanced; otherwise by
-                    load. A miss never picks "the smallest tree": a worker with little cached
+    cache_aware     among workers estimated to hold >= `threshold` of the prompt
+                    (router/prefix_index.py): the longest match when load is balanced, the
+                    least loaded holder when not; no holder (or only busy ones): by load.
+                    A miss never picks "the smallest tree": a worker with little cached
                     attracts every new prefix and becomes the hotspot (sgl-router's users
                     hit exactly this spiral).
 
@@ -65,14 +66,19 @@ class Policy:
         loads = [w.requests for w in workers]
         balanced = (max(loads) - min(loads) <= self.balance_abs
                     or max(loads) + 1 <= self.balance * (min(loads) + 1))
-        best = max(workers, key=lambda w: (self.index.match(w.url, names), -w.requests))
-        covered = self.index.match(best.url, names) * self.index.block
-        if balanced and n and covered / n >= self.threshold:
-            self.hits += 1
-            return best
+        need = self.threshold * n / self.index.block  # blocks a worker must hold to count as a hit
+        holders = [w for w in workers if n and self.index.match(w.url, names) >= max(need, 1)]
+        if holders:
+            # Balanced: the longest match. Imbalanced: the least loaded worker that still holds the
+            # prefix, if it is not itself among the busiest; a hot prefix thus spreads over the
+            # workers that already cached it before it is copied to a new one.
+            best = (max(holders, key=lambda w: (self.index.match(w.url, names), -w.requests)) if balanced
+                    else min(holders, key=lambda w: (w.requests, w.tokens)))
+            if balanced or best.requests - min(loads) <= self.balance_abs:
+                self.hits += 1
+                return best
         self.misses += 1
         return _least_tokens(workers)
-
 
 def _least_tokens(workers: Sequence[Worker]) -> Worker:
     return min(workers, key=lambda x: (x.tokens, x.requests))
