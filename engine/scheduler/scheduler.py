@@ -34,6 +34,7 @@ from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
 from tandem.engine.scheduler.prefill_manager import PrefillManager
+from tandem.engine.scheduler.priority import preempt_for_priority
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.scheduler.request_validation import build_req
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
@@ -156,7 +157,7 @@ class Scheduler:
             # Its requests (and, if MIXED, the decodes that rode along) continue decoding.
             self.decode.merge(ScheduleBatch(list(last.reqs), output_ids=last.output_ids),
                               exclude=self.prefill.chunked_req)
-        self.maybe_preempt_for_priority()
+        preempt_for_priority(self.config, self.prefill, self.decode, self.cache)
         mixed = self.config.enable_mixed_chunk and self.decode.runnable()
         running = [r for r in self.decode.reqs if not r.finished()]
         batch, adder = self.prefill.schedule_next_batch(
@@ -174,29 +175,6 @@ class Scheduler:
         for r in reversed(retracted):
             self.prefill.add(r, front=True)
         return decode_batch
-
-    def maybe_preempt_for_priority(self) -> None:
-        """Priority scheduling: retract lower-priority running requests for a waiting one."""
-        cfg = self.config
-        if not cfg.enable_priority_scheduling or not self.prefill.waiting_queue or not self.decode.runnable():
-            return
-        top = max(self.prefill.waiting_queue, key=lambda r: r.priority)
-        need = len(top.origin_input_ids) + min(top.sampling_params.max_new_tokens, cfg.clip_max_new_tokens)
-        full = len(self.decode.reqs) >= cfg.max_running_requests
-        if not full and self.cache.available_tokens() >= need:
-            return
-        victims = sorted(
-            (r for r in self.decode.reqs
-             if top.priority - r.priority >= cfg.priority_scheduling_preemption_threshold and not r.finished()),
-            key=lambda r: (r.priority, -r.arrival_time),
-        )
-        for v in victims:
-            self.decode.release_for_retract(v)  # its KV goes to the prefix cache: evictable now
-            self.prefill.add(v)
-            left = sum(1 for r in self.decode.reqs if not (r.is_retracted or r.finished()))
-            if left < cfg.max_running_requests and self.cache.available_tokens() >= need:
-                break
-        self.decode.running_batch.filter_batch()
 
     # ---- running ----------------------------------------------------------------------------------
     def record_step(self, batch: ScheduleBatch) -> None:
