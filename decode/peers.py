@@ -12,16 +12,13 @@ its address handshakes again, so decode never needs a restart of its own.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.transfer.control import ControlChannel
+from tandem.engine.transfer.setup import TransferParts
 from tandem.protocol import pd
-from tandem.protocol.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +36,9 @@ class Peer:
 
 
 class PrefillPeers:
-    def __init__(self, channel: ControlChannel, transfer: Any, hello: pd.Hello, identity: pd.Identity,
-                 timeout: float) -> None:
-        self.channel, self.transfer, self.hello, self.identity = channel, transfer, hello, identity
+    def __init__(self, parts: TransferParts, timeout: float) -> None:
+        self.parts, self.channel, self.transfer = parts, parts.channel, parts.transfer
+        self.hello = pd.Hello(parts.name, **parts.describe())
         self.timeout = timeout
         self.peers: dict[str, Peer] = {}
         self.handshake_failures = 0
@@ -62,15 +59,8 @@ class PrefillPeers:
             return None  # an answer to a handshake we gave up on
         error = w.error if not w.ok else None
         if error is None:
-            problems = self.identity.mismatch(pd.Identity(**w.identity))
-            error = "PD handshake refused by decode: " + "; ".join(problems) if problems else None
-        if error is None:
-            try:
-                peer.agent = self.transfer.add_peer(base64.b64decode(w.agent), KVLayout(**w.layout),
-                                                    pd.MetaRegion(**w.meta))
-            except ValueError as exc:
-                error = f"PD handshake refused by decode: {exc}"
-        if error is not None:
+            peer.agent, error = self.parts.add_peer(w)
+        if peer.agent is None:
             self.handshake_failures += 1
             log.error("prefill %s: %s", key, error)
             self.drop(key)
@@ -96,8 +86,3 @@ class PrefillPeers:
     def status(self) -> dict[str, Any]:
         return {k: {"ready": p.ready, "name": p.name} for k, p in self.peers.items()}
 
-
-def make_hello(name: str, identity: pd.Identity, layout: KVLayout, agent_meta: bytes,
-               meta: pd.MetaRegion) -> pd.Hello:
-    return pd.Hello(name, dataclasses.asdict(identity), layout.to_dict(), base64.b64encode(agent_meta).decode(),
-                    dataclasses.asdict(meta))

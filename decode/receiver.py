@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tandem.decode.peers import PrefillPeers
+from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.transfer.control import PeerDown, PeerMsg
@@ -161,9 +162,8 @@ class DecodeReceiver:
             self.sched.prefill.add(req)
             return True
         skip = len(req.prefix_indices)
-        reserve = sum(min(r.sampling_params.max_new_tokens - len(r.output_ids), self.cfg.clip_max_new_tokens)
-                      for r in self.sched.decode.reqs) * self.sched.decode.new_token_ratio
         ratio = self.sched.decode.new_token_ratio
+        reserve = reserved_tokens(self.sched.decode.reqs, ratio, self.cfg.clip_max_new_tokens)
         need = (self.cache.allocator.pages_needed(skip, n - skip) * P
                 + min(req.sampling_params.max_new_tokens, self.cfg.clip_max_new_tokens) * ratio)
         if (self.cache.available_tokens() - reserve < need or not self.slots.free

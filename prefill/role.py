@@ -13,9 +13,9 @@ def attach(sched: Any, model_path: str) -> PrefillSender:
     cfg = sched.config
     if cfg.dp_size > 1:
         raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")
-    transfer, channel, identity = transfer_parts(sched, model_path, PREFILL)
-    channel.bind(f"tcp://{cfg.pd_bootstrap_host}:{cfg.pd_bootstrap_port}")
-    part = PrefillSender(sched, transfer, channel, identity)
+    parts = transfer_parts(sched, model_path, PREFILL)
+    parts.channel.bind(f"tcp://{cfg.pd_bootstrap_host}:{cfg.pd_bootstrap_port}")
+    part = PrefillSender(sched, parts)
     sched.attach(part)
-    channel.start()
+    parts.channel.start()
     return part

@@ -18,7 +18,6 @@ which releases the KV once no send is in flight and tells decode what happened.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import logging
 import time
@@ -26,11 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.scheduler.req import Req, finish_abort
-from tandem.engine.transfer.control import ControlChannel, PeerDown, PeerMsg
-from tandem.engine.transfer.first_token import FirstTokenSlots
-from tandem.engine.transfer.pages import page_runs
+from tandem.engine.transfer.control import PeerDown, PeerMsg
+from tandem.engine.transfer.setup import TransferParts
 from tandem.protocol import pd
-from tandem.protocol.kv_layout import KVLayout
 from tandem.protocol.messages import GenerateReq
 
 log = logging.getLogger(__name__)
@@ -53,20 +50,18 @@ class Outgoing:
 
 
 class PrefillSender:
-    def __init__(self, sched: Any, transfer: Any, channel: ControlChannel, identity: pd.Identity) -> None:
+    def __init__(self, sched: Any, parts: TransferParts) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
-        self.transfer, self.channel, self.identity = transfer, channel, identity
-        self.layout: KVLayout = sched.runner.kv_pool.layout()
-        self.slots = FirstTokenSlots(sched.config.max_running_requests)
-        self.agent_meta = transfer.register(self.layout, self.slots.region())
+        self.parts = parts
+        self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, str] = {}  # decode name -> its NIXL agent name
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, tuple[Any, float]] = {}  # a decode message that beat its request
-        # page_runs / pages_sent: how scattered sends are (a run of consecutive pages on both
+        # page_runs (counted by the transfer) / pages_sent: how scattered sends are (a run of consecutive pages on both
         # sides is one descriptor per layer and K/V; docs/pd.md, bandwidth).
         self.stats = {"handshakes": 0, "handshake_failures": 0, "kv_bytes_sent": 0, "sends": 0,
-                      "pages_sent": 0, "page_runs": 0, "failed": 0, "bootstrap_timeouts": 0}
+                      "pages_sent": 0, "failed": 0, "bootstrap_timeouts": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
         sched.output.release = self.release
@@ -116,25 +111,17 @@ class PrefillSender:
         handler(m.peer, m.msg)
 
     def on_hello(self, peer: str, hello: pd.Hello) -> None:
-        problems = self.identity.mismatch(pd.Identity(**hello.identity))
-        try:
-            if not problems:
-                self.peers[peer] = self.transfer.add_peer(base64.b64decode(hello.agent), KVLayout(**hello.layout),
-                                                          pd.MetaRegion(**hello.meta))
-        except ValueError as exc:
-            problems = [str(exc)]
-        if problems:
+        agent, error = self.parts.add_peer(hello)
+        if agent is None:
             self.stats["handshake_failures"] += 1
-            error = "PD handshake refused: " + "; ".join(problems)
             log.error("decode %s: %s", peer, error)
-            self.channel.send(peer, pd.Welcome(self.transfer.name, False, error))
+            self.channel.send(peer, pd.Welcome(self.parts.name, False, error))
             return
+        self.peers[peer] = agent
         self.stats["handshakes"] += 1
         log.info("handshake with decode %s", peer)
         self.channel.accept(peer)
-        self.channel.send(peer, pd.Welcome(self.transfer.name, True, "", dataclasses.asdict(self.identity),
-                                           self.layout.to_dict(), base64.b64encode(self.agent_meta).decode(),
-                                           dataclasses.asdict(self.slots.region())))
+        self.channel.send(peer, pd.Welcome(self.parts.name, True, "", **self.parts.describe()))
 
     def on_dest(self, peer: str, dest: pd.KVDest) -> None:
         if peer not in self.peers:
@@ -208,7 +195,6 @@ class PrefillSender:
         og.sent_upto = upto
         self.stats["sends"] += 1
         self.stats["pages_sent"] += len(src)
-        self.stats["page_runs"] += len(page_runs(src, dst))
         self.stats["kv_bytes_sent"] += len(src) * self.layout.page_bytes * 2 * self.layout.num_layers
         if last:
             og.ended = "sent"
@@ -288,7 +274,7 @@ class PrefillSender:
 
     def status(self) -> dict[str, Any]:
         return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
-                "rooms": len(self.rooms), **self.stats}
+                "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, **self.stats}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"

@@ -27,6 +27,13 @@ class AddReqResult(Enum):
     OTHER = "other"  # this round's input/chunk budget is spent
 
 
+def reserved_tokens(running: list[Req], new_token_ratio: float, clip: int) -> float:
+    """KV the running requests are still expected to need (the seeds' reservation): each
+    request's remaining max_new_tokens (clipped), times new_token_ratio."""
+    return sum(min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), clip) * new_token_ratio
+               for r in running)
+
+
 class PrefillAdder:
     def __init__(
         self,
@@ -41,11 +48,7 @@ class PrefillAdder:
         self.cache = cache
         self.page_size = cache.page_size
         self.clip = clip_max_new_tokens
-        # KV the running requests are still expected to need (the seeds' reservation).
-        self.reserved = sum(
-            min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), self.clip) * new_token_ratio
-            for r in running
-        )
+        self.reserved = reserved_tokens(running, new_token_ratio, self.clip)
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
         self.rem_chunk_tokens = None if chunk_size is None else chunk_size - mixed_with_decode_tokens
         self.can_run_list: list[Req] = []

@@ -48,6 +48,8 @@ class Events:
 
 
 class KVTransfer(ABC):
+    runs_sent = 0  # runs of consecutive pages sent (each is one descriptor per layer and K/V)
+
     @abstractmethod
     def register(self, layout: KVLayout, slots: MetaRegion | None = None) -> bytes:
         """Register the local KV buffer (and first-token slots); return this agent's metadata."""

@@ -100,14 +100,13 @@ class ControlChannel:
     # ---- io thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         next_beat = time.monotonic()
+        self.poller = zmq.Poller()  # the io thread's: sockets join and leave it as they come and go
+        self.poller.register(self._wake_rx, zmq.POLLIN)
+        if self.router is not None:
+            self.poller.register(self.router, zmq.POLLIN)
         try:
             while self.running:
-                poller = zmq.Poller()
-                poller.register(self._wake_rx, zmq.POLLIN)
-                for s in [self.router, *self.dealers.values()]:
-                    if s is not None:
-                        poller.register(s, zmq.POLLIN)
-                events = dict(poller.poll(timeout=int(self.interval * 500)))
+                events = dict(self.poller.poll(timeout=int(self.interval * 500)))
                 if self._wake_rx in events:
                     while self._wake_rx.poll(0):
                         self._wake_rx.recv()
@@ -142,6 +141,7 @@ class ControlChannel:
                 s.setsockopt(zmq.IDENTITY, self.name.encode())
                 s.connect(arg)
                 self.dealers[peer] = s
+                self.poller.register(s, zmq.POLLIN)
                 self.last_seen[peer] = time.monotonic()
             elif kind == "send":
                 self._send(peer, arg)
@@ -157,6 +157,7 @@ class ControlChannel:
     def _drop_dealer(self, peer: str) -> None:
         s = self.dealers.pop(peer, None)
         if s is not None:
+            self.poller.unregister(s)
             s.close(linger=0)
 
     def _send(self, peer: str, msg: Any) -> None:

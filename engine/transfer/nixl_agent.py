@@ -84,6 +84,7 @@ class NixlTransfer(KVTransfer):
             raise KeyError(f"unknown peer {peer!r}")
         peer_layout, peer_slots = self.peers[peer]
         src, dst = descriptors(self.layout, peer_layout, src_pages, dst_pages)
+        self.runs_sent += len(src) // (2 * self.layout.num_layers)
         if slot is not None:
             if self.slots is None or peer_slots is None or self.slots.slot_bytes != peer_slots.slot_bytes:
                 raise ValueError("first-token slots are not registered on both sides, or differ in size")

@@ -1,16 +1,22 @@
-"""What both PD roles set up before their part is attached: the transfer agent (KV
-memory registered), the control channel, the identity, and UCX kept inside the KV port
-range the operator's NetworkPolicy opens."""
+"""What both PD roles set up before their part is attached, and the handshake's two halves
+they share: the transfer agent with the KV buffer and first-token slots registered, the
+control channel, the identity, and UCX kept inside the KV port range the operator's
+NetworkPolicy opens."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import os
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.transfer.control import ControlChannel
+from tandem.engine.transfer.first_token import FirstTokenSlots
 from tandem.engine.transfer.identity import identity_of
 from tandem.protocol import pd
+from tandem.protocol.kv_layout import KVLayout
 from tandem.worker_contract import DEFAULT_KV_PORT_COUNT, ENV_KV_PORT_BASE, ENV_KV_PORT_COUNT
 
 
@@ -22,7 +28,37 @@ def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ig
         environ["UCX_TCP_PORT_RANGE"] = f"{base}-{base + count - 1}"
 
 
-def transfer_parts(sched: Any, model_path: str, role: str) -> tuple[Any, ControlChannel, pd.Identity]:
+@dataclass
+class TransferParts:
+    transfer: Any  # a KVTransfer (engine/transfer/base.py)
+    channel: ControlChannel
+    identity: pd.Identity
+    layout: KVLayout
+    slots: FirstTokenSlots
+    agent_meta: bytes
+
+    @property
+    def name(self) -> str:
+        return self.transfer.name
+
+    def describe(self) -> dict[str, Any]:
+        """This side's half of the handshake (the body of Hello and of an accepting Welcome)."""
+        return {"identity": dataclasses.asdict(self.identity), "layout": self.layout.to_dict(),
+                "agent": base64.b64encode(self.agent_meta).decode(), "meta": dataclasses.asdict(self.slots.region())}
+
+    def add_peer(self, msg: pd.Hello | pd.Welcome) -> tuple[str | None, str]:
+        """Take the other side's half: (its transfer agent's name, "") or (None, why not)."""
+        problems = self.identity.mismatch(pd.Identity(**msg.identity))
+        if not problems:
+            try:
+                return self.transfer.add_peer(base64.b64decode(msg.agent), KVLayout(**msg.layout),
+                                              pd.MetaRegion(**msg.meta)), ""
+            except ValueError as exc:
+                problems = [str(exc)]
+        return None, "PD handshake refused: " + "; ".join(problems)
+
+
+def transfer_parts(sched: Any, model_path: str, role: str) -> TransferParts:
     from tandem.engine.transfer.nixl_agent import NixlTransfer
 
     confine_ucx_ports()
@@ -31,4 +67,7 @@ def transfer_parts(sched: Any, model_path: str, role: str) -> tuple[Any, Control
     name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}"
     transfer = NixlTransfer(name, timeout=cfg.pd_transfer_timeout)
     channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout)
-    return transfer, channel, identity_of(sched.runner, model_path)
+    layout = sched.runner.kv_pool.layout()
+    slots = FirstTokenSlots(cfg.max_running_requests)
+    meta = transfer.register(layout, slots.region())
+    return TransferParts(transfer, channel, identity_of(sched.runner, model_path), layout, slots, meta)
