@@ -51,14 +51,17 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        await self._acquire()
+        await self.acquire()
         try:
             yield
         finally:
-            self.inflight -= 1
-            self._wake()
+            self.release()
 
-    async def _acquire(self) -> None:
+    def release(self) -> None:
+        self.inflight -= 1
+        self._wake()
+
+    async def acquire(self) -> None:
         if not self.queue and self.inflight < self.max_inflight and self.bucket.take():
             self.inflight += 1
             return

@@ -41,6 +41,7 @@ class Job:
     ids: list[int]  # the routing key: the (first) prompt's token ids
     tokens: int  # load estimate: prompt + generation budget, all choices
     stream: bool
+    done: Callable[[], None] = lambda: None  # called once its answer is over (a stream: its last byte)
 
 
 @dataclass(eq=False)
@@ -182,7 +183,7 @@ class Proxy:
                 self.metrics.latency.observe(time.monotonic() - t0)
                 return Response(content, status_code=resp.status, media_type=media)
             streaming = True
-            return StreamingResponse(self._relay(resp, route, release, prefill, t0), status_code=resp.status,
+            return StreamingResponse(self._relay(job, resp, route, release, prefill, t0), status_code=resp.status,
                                      media_type=media)
         finally:
             if not streaming:  # the relay releases a stream when it ends
@@ -190,7 +191,7 @@ class Proxy:
                 if prefill is not None and not prefill.done():
                     prefill.cancel()
 
-    async def _relay(self, resp: aiohttp.ClientResponse, route: Route, release: Callable[[], None],
+    async def _relay(self, job: Job, resp: aiohttp.ClientResponse, route: Route, release: Callable[[], None],
                      prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
         last = None
         try:
@@ -208,6 +209,7 @@ class Proxy:
             self.metrics.latency.observe(time.monotonic() - t0)
             resp.close()  # a stream cut short (client gone) closes the connection: the worker aborts
             release()
+            job.done()
             if prefill is not None and not prefill.done():
                 prefill.cancel()
 

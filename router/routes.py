@@ -4,14 +4,17 @@ request models, tokenized once here), health, metrics, and the admin API for wor
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.router.proxy import Job
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
+from tandem.server.disconnect import cancel_on_disconnect
 from tandem.server.errors import ApiError, bad_request, error_response
 from tandem.worker_contract import DRAIN_PATH
 
@@ -31,29 +34,30 @@ def _check_model(state: Any, model: str) -> None:
 
 async def _run(request: Request, state: Any, job: Job) -> Response:
     state.metrics.prompt_tokens.inc(len(job.ids))
-    async with state.admission.slot():
-        work = asyncio.ensure_future(state.proxy.handle(job))
-        if job.stream:
-            response = await work  # a stream ends on disconnect by itself (its relay is cancelled)
-        else:
-            response = await _unless_disconnected(request, work)
-    return response
-
-
-async def _unless_disconnected(request: Request, work: asyncio.Future) -> Response:
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
+    await state.admission.acquire()
+    job.done = _once(state.admission.release)  # a stream holds its slot until its last byte
+    streaming = False
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.stream:
+            return await cancel_on_disconnect(request, state.proxy.handle(job))  # closes the worker connections
+        response = await state.proxy.handle(job)
+        streaming = isinstance(response, StreamingResponse)  # its relay calls job.done
+        return response
     finally:
-        watch.cancel()
-    if not work.done():
-        work.cancel()  # closes the worker connections: the workers abort and free the pages
-        raise ApiError(400, "the client disconnected")
-    return work.result()
+        if not streaming:
+            job.done()
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    called = False
+
+    def once() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            fn()
+
+    return once
 
 
 INLINE_CHARS = 2048  # shorter texts tokenize in ~50 us: a thread hop would cost more than it saves

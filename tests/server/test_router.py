@@ -103,6 +103,10 @@ def test_client_disconnect_aborts_on_the_workers(stack) -> None:
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
+                # A stream holds its admission slot until it ends (read before leaving the loop:
+                # breaking out of iter_lines closes the response).
+                metrics = router.get("/metrics").text
+                assert "tandem_router_inflight_requests 1.0" in metrics
                 break  # the first token arrived: now go away
     deadline = time.monotonic() + 15
     while any(w.get("/debug/pool").json()["ranks"][0]["num_running"] for w in workers):
