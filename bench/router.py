@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests/server"))
-from worker_process import Worker, free_port  # noqa: E402
+from worker_process import Worker, free_port, sglang_router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SP = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -46,24 +46,6 @@ def _wait(url: str, path: str = "/health", timeout: float = 120) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(url)
-
-
-def _sglang_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
-                             "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--log-level", "warn"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # sgl-router answers /health before its workers are registered: wait for a real answer
-        try:
-            if httpx.post(url + "/generate", json={"text": "x", "sampling_params": SP}, timeout=10).is_success:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("sglang-router did not come up")
-        time.sleep(0.5)
 
 
 def _ours(model: str, urls: list[str], policy: str) -> tuple[Worker, str]:
@@ -110,7 +92,7 @@ def overhead(args: argparse.Namespace) -> dict:
         for u in urls:
             _wait(u)
         ours, ours_url = _ours(args.model, urls, "round_robin")
-        sgl, sgl_url = _sglang_router(urls, "round_robin")
+        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", "round_robin")
         try:
             for r in range(args.rounds):
                 order = [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]
@@ -180,7 +162,7 @@ def cache(args: argparse.Namespace) -> dict:
             w.wait_ready(600)
         urls = [w.url for w in workers]
         ours, ours_url = _ours(args.model, urls, "cache_aware")
-        sgl, sgl_url = _sglang_router(urls, "cache_aware")
+        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", "cache_aware")
         try:
             for r in range(args.rounds):
                 prompts = _tenant_workload(r)

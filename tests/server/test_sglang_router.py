@@ -3,13 +3,9 @@ it discovers them through SGLang's worker API and returns the offline Engine's g
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
-from worker_process import Worker, free_port
+from worker_process import Worker, sglang_router
 
 from tandem import Engine
 
@@ -30,26 +26,12 @@ def test_sglang_router_fronts_two_workers(model_path) -> None:
     with Engine(str(model), dtype="float32") as eng:
         expected = [r["text"] for r in eng.generate(PROMPTS, SP)]
     workers = [Worker.colocated(model) for _ in range(2)]
-    port = free_port()
     router = None
     try:
         for w in workers:
             w.wait_ready()
         before = [_served_requests(w) for w in workers]
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *(w.url for w in workers),
-             "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.post(url + "/generate", json={"text": "x", "sampling_params": SP}, timeout=10).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "sglang-router did not come up"
-            time.sleep(0.5)
+        router, url = sglang_router("--worker-urls", *(w.url for w in workers), "--policy", "round_robin")
         got = [httpx.post(url + "/generate", json={"text": p, "sampling_params": SP}, timeout=60).json()["text"]
                for p in PROMPTS]
         assert got == expected
@@ -78,25 +60,12 @@ def test_sglang_router_pd_mode_fronts_our_prefill_and_decode(model_path) -> None
         expected = [r["text"] for r in eng.generate(prompts, SP)]
     pre = Worker.prefill(model)
     dec = Worker.decode(model, peers=[pre])
-    port, router = free_port(), None
+    router = None
     try:
         pre.wait_ready()
         dec.wait_ready()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-             "--prefill", pre.url, str(pre.bootstrap), "--decode", dec.url,
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "sglang-router did not come up"
-            time.sleep(0.5)
+        router, url = sglang_router("--pd-disaggregation", "--prefill", pre.url, str(pre.bootstrap),
+                                    "--decode", dec.url)
         got = [httpx.post(url + "/generate", json={"text": p, "sampling_params": SP}, timeout=60).json()["text"]
                for p in prompts]
         assert got == expected

@@ -20,6 +20,28 @@ import httpx
 from tandem import worker_contract as contract
 
 
+def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, str]:
+    """The real sglang-router on a free port with `args`, up once it answers a /generate
+    (its /health answers before its workers are registered). The caller terminates it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", *args, "--host", "127.0.0.1",
+                             "--port", str(port), "--log-level", "warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            probe = {"text": "x", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+            if httpx.post(url + "/generate", json=probe, timeout=10).is_success:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("sglang-router did not come up")
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
