@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.pods import deployment, downward_env, drain_command, http_probe, pod_spec
@@ -13,15 +14,12 @@ ROUTER_DRAIN_S = 30
 
 
 def router_command(svc: ServiceSpec) -> list[str]:
-    return [
-        "tandem", "router",
-        "--host", "0.0.0.0",
-        "--port", str(names.HTTP_PORT),
-        "--prefill-selector", names.selector_string(names.selector_labels(svc.name, names.PREFILL)),
-        "--decode-selector", names.selector_string(names.selector_labels(svc.name, names.DECODE)),
-        "--namespace", svc.namespace,
-        *svc.router.extra_args,
-    ]
+    return contract.router_argv(contract.RouterArgs(
+        host="0.0.0.0", port=names.HTTP_PORT, namespace=svc.namespace,
+        prefill_selector=names.selector_string(names.selector_labels(svc.name, names.PREFILL)),
+        decode_selector=names.selector_string(names.selector_labels(svc.name, names.DECODE)),
+        extra=tuple(svc.router.extra_args),
+    ))
 
 
 def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:

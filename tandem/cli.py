@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "tandem.operator.cli",
     "tandem.server.cli",
     "tandem.router.cli",
+    "tandem.local.cli",
 )
 
 

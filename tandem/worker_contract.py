@@ -7,6 +7,9 @@ operator's and the router's images import it.
 
     argv   tandem serve --role R --model DIR --served-model-name NAME --host H --port P
                         [--bootstrap-port B] [--config engine.yaml] [engine flags, SGLang names]
+           tandem router --host H --port P [--model DIR] [--model-name NAME]
+                         (--prefill-selector S --decode-selector S --namespace NS | --selector S ...
+                          | --prefill URL=BOOTSTRAP... --decode URL... | --workers URL...)
     env    POD_NAME, POD_NAMESPACE, POD_IP (downward API); TANDEM_ROLE, TANDEM_KV_BACKEND,
            TANDEM_KV_PORT_BASE, TANDEM_KV_PORT_COUNT; UCX_TLS, UCX_NET_DEVICES when set
     yaml   the engine's options under their SGLang names, plus the contract's own keys
@@ -133,6 +136,43 @@ def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[
             "--bootstrap-port", str(args.bootstrap_port)]
     if args.config is not None:
         argv += ["--config", args.config]
+    return [*argv, *args.extra]
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    """The router's command line: pods found by label selectors (in a cluster) or static
+    worker URLs (`tandem up`, tests). Prefill entries are (url, bootstrap port)."""
+
+    host: str = "0.0.0.0"
+    port: int = HTTP_PORT
+    tokenizer: str | None = None  # the model directory: tokenizer.json and its chat template
+    model_name: str | None = None
+    namespace: str | None = None
+    selector: str | None = None
+    prefill_selector: str | None = None
+    decode_selector: str | None = None
+    workers: tuple[str, ...] = ()
+    prefill: tuple[tuple[str, int], ...] = ()
+    decode: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("static PD routing needs both prefill and decode workers")
+
+
+def router_argv(args: RouterArgs, program: Sequence[str] = ("tandem",)) -> list[str]:
+    argv = [*program, "router", "--host", args.host, "--port", str(args.port)]
+    for flag, value in (("--model", args.tokenizer), ("--model-name", args.model_name),
+                        ("--selector", args.selector), ("--prefill-selector", args.prefill_selector),
+                        ("--decode-selector", args.decode_selector), ("--namespace", args.namespace)):
+        if value is not None:
+            argv += [flag, value]
+    if args.workers:
+        argv += ["--workers", *args.workers]
+    if args.prefill:
+        argv += ["--prefill", *(f"{url}={port}" for url, port in args.prefill), "--decode", *args.decode]
     return [*argv, *args.extra]
 
 

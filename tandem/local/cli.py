@@ -1,0 +1,137 @@
+"""`tandem up`: the router plus prefill and decode workers as local processes, one command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tandem.local.logs import LogSink
+from tandem.local.plan import ROUTER, Component, UpConfig, plan
+from tandem.local.supervisor import StackDown, Supervisor
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole stack locally: router, prefill and decode workers")
+    p.add_argument("--model", default="tiny", help="model directory or built-in preset (built on first use)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
+    p.add_argument("--host", default="127.0.0.1", help="the router's address (workers stay on 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="the router's port: the stack's endpoint")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", action="store_true", help="no disaggregation: workers prefill and decode")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel replicas behind the router: decode workers (or colocated ones)")
+    p.add_argument("--worker-args", default="", help='engine flags for every worker, e.g. "--page-size 16"')
+    p.add_argument("--router-args", default="", help='router flags, e.g. "--policy least_tokens"')
+    p.add_argument("--log-dir", type=Path, default=None, help="write each component's log here, not the terminal")
+    p.add_argument("--run-dir", type=Path, default=None, help="engine YAMLs and stack.json (default: a temp dir)")
+    p.add_argument("--restart", type=int, default=0, metavar="N", help="restart a dead component up to N times")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.set_defaults(func=_run)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _config(args: argparse.Namespace) -> UpConfig:
+    from tandem.engine.modelgen.model_builder import resolve_model  # torch: only once we really start
+
+    model = resolve_model(args.model)  # built here once, not raced by every worker
+    name = args.served_model_name or (args.model if not Path(args.model).is_dir() else Path(model).name)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
+                    prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
+                    worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)))
+
+
+def _shape(cfg: UpConfig) -> str:
+    if cfg.colocated:
+        return f"{cfg.serving_replicas} colocated worker(s)"
+    return f"{cfg.prefill} prefill + {cfg.serving_replicas} decode worker(s), KV over NIXL"
+
+
+def banner(cfg: UpConfig, started: float) -> str:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    base = f"http://{host}:{cfg.port}"
+    body = json.dumps({"model": cfg.served_model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    py = (f"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); "
+          f"print(c.chat.completions.create(model='{cfg.served_model_name}', max_tokens=32, "
+          "messages=[{'role': 'user', 'content': 'Hello!'}]).choices[0].message.content)")
+    return "\n".join([
+        "",
+        f"Tandem is up in {time.monotonic() - started:.1f} s: the router in front of {_shape(cfg)}.",
+        f"  model     {cfg.served_model_name}  ({cfg.model})",
+        f"  endpoint  {base}/v1",
+        f"  metrics   {base}/metrics   workers: {base}/workers",
+        f"  run dir   {cfg.run_dir}  (stack.json: pids, URLs, command lines)",
+        "Try:",
+        f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json' -d '{body}'",
+        f'  python -c "{py}"',
+        "Ctrl-C stops everything.",
+        "",
+    ])
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not _port_free(args.host, args.port):
+        print(f"tandem up: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    try:
+        cfg = _config(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 2
+    components = plan(cfg)
+    sink = LogSink(sys.stdout, args.log_dir, color=sys.stdout.isatty())
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    sup = Supervisor(components, sink, cfg.run_dir, restarts=args.restart, stop=stop)
+    return _serve(sup, cfg, components, args.ready_timeout, started)
+
+
+def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout: float, started: float) -> int:
+    say = sup.sink.say
+    workers = [c for c in components if c.name != ROUTER]
+    say(f"tandem up: starting {_shape(cfg)} ({', '.join(c.name for c in workers)}), then the router on "
+        f"{cfg.host}:{cfg.port}" + (f"; logs in {sup.sink.log_dir}" if sup.sink.log_dir else ""))
+    ready = lambda name, s: say(f"tandem up: \u2713 {name} ready in {s:.1f} s")  # noqa: E731
+    try:
+        for comp in workers:
+            sup.spawn(comp)
+        sup.wait_ready([c.name for c in workers], timeout, ready)
+        # The router starts last, so its port answers only once the stack can serve.
+        sup.spawn(components[-1])
+        sup.wait_ready([ROUTER], timeout, ready)
+        say(banner(cfg, started))
+        sup.watch()
+        say("tandem up: stopping (router first, then the workers drain)")
+        code = 0
+    except StackDown as exc:
+        say(f"tandem up: {exc}; taking the stack down")
+        for name, child in sup.children.items():
+            # On the terminal its lines are already there; from a file, show the end.
+            if sup.sink.log_dir and child.proc.poll() is not None and name in str(exc):
+                say(f"--- last lines of {name} ---\n" + "\n".join(sup.sink.tail(name)))
+        code = 0 if sup.stop.is_set() and "stopped" in str(exc) else 1
+    sup.shutdown()
+    say("tandem up: stopped; no process left")
+    return code

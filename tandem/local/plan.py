@@ -1,0 +1,144 @@
+"""The local stack's plan: which processes `tandem up` starts, with which command lines.
+
+Every argv, env entry and engine YAML comes from the worker contract, as the operator
+renders them for pods; only the addresses differ: 127.0.0.1 and free ports instead of
+Services and fixed container ports, and one KV port range per worker instead of one per
+pod IP. torch-free: planning needs no engine.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tandem import worker_contract as contract
+
+ROUTER = "router"
+# The worker's own entry point, so that a venv without the console script on PATH still works.
+PROGRAM = (sys.executable, "-m", "tandem.cli")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str  # a model directory (resolved: presets are built before the plan)
+    served_model_name: str
+    run_dir: Path  # engine YAMLs, logs when asked, stack.json
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False
+    dp: int | None = None  # data-parallel replicas of the serving role: decode workers, or colocated ones
+    worker_args: tuple[str, ...] = ()  # engine flags for every worker (SGLang's names), as extraArgs in a CR
+    router_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.dp or 1) < 1:
+            raise ValueError("--prefill, --decode and --dp take counts of at least 1")
+
+    @property
+    def serving_replicas(self) -> int:
+        return self.dp or self.decode
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # "prefill-0", "decode-1", "worker-0", "router"
+    role: str  # a worker role, or "router"
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0
+    files: Mapping[str, str] = field(default_factory=dict)  # path -> text, written before start
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ready_url(self) -> str:
+        # Decode answers 200 on /health/ready only after a KV handshake with a prefill worker.
+        return self.url + contract.READY_PATH
+
+
+class Ports:
+    """Free ports for one stack, never handing out the same one twice."""
+
+    def __init__(self, taken: Sequence[int] = ()) -> None:
+        self.taken = set(taken)
+
+    def one(self) -> int:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in self.taken:
+                self.taken.add(port)
+                return port
+
+    def block(self, count: int, start: int = contract.DEFAULT_KV_PORT_BASE) -> int:
+        """The first of `count` consecutive free ports at or above `start` (UCX's KV listeners)."""
+        base = start
+        while base + count <= 65536:
+            window = range(base, base + count)
+            if not self.taken.intersection(window) and all(_bindable(p) for p in window):
+                self.taken.update(window)
+                return base
+            base += count
+        raise RuntimeError(f"no {count} consecutive free ports above {start}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))  # UCX listens on every interface
+        except OSError:
+            return False
+    return True
+
+
+def _env(name: str, role: str, kv: contract.KvTransfer) -> dict[str, str]:
+    """The pod env the operator writes, with the downward API's fields filled in locally."""
+    fields = {"metadata.name": name, "metadata.namespace": "local", "status.podIP": "127.0.0.1"}
+    env = {}
+    for entry in contract.worker_env(role, kv):
+        env[entry["name"]] = entry["value"] if "value" in entry else fields[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapping[str, object]) -> Component:
+    port, bootstrap = ports.one(), ports.one() if role == contract.PREFILL else contract.BOOTSTRAP_PORT
+    kv = contract.KvTransfer(backend="nixl" if role != contract.COLOCATED else "none",
+                             port_base=ports.block(contract.DEFAULT_KV_PORT_COUNT),
+                             port_count=contract.DEFAULT_KV_PORT_COUNT)
+    config = cfg.run_dir / f"{name}.yaml"
+    argv = contract.worker_argv(contract.WorkerArgs(
+        role=role, model=cfg.model, served_model_name=cfg.served_model_name, host="127.0.0.1", port=port,
+        bootstrap_port=bootstrap, config=str(config), extra=cfg.worker_args), program=PROGRAM)
+    yaml_text = contract.EngineYaml(engine_args=dict(engine_args), kv_transfer=kv).render()
+    return Component(name, role, tuple(argv), _env(name, role, kv), port, {str(config): yaml_text})
+
+
+def bootstrap_port(worker: Component) -> int:
+    return contract.parse_worker_argv(worker.argv[len(PROGRAM) + 1:]).bootstrap_port
+
+
+def plan(cfg: UpConfig, ports: Ports | None = None) -> list[Component]:
+    """Workers first, in start order, then the router on cfg.port."""
+    ports = ports or Ports(taken=(cfg.port,))
+    if cfg.colocated:
+        workers = [_worker(cfg, ports, f"worker-{i}", contract.COLOCATED, {}) for i in range(cfg.serving_replicas)]
+        router = contract.RouterArgs(workers=tuple(w.url for w in workers))
+    else:
+        prefill = [_worker(cfg, ports, f"prefill-{i}", contract.PREFILL, {}) for i in range(cfg.prefill)]
+        peers = ",".join(f"127.0.0.1:{bootstrap_port(p)}" for p in prefill)
+        decode = [_worker(cfg, ports, f"decode-{i}", contract.DECODE, {"pd_prefill_peers": peers})
+                  for i in range(cfg.serving_replicas)]
+        workers = [*prefill, *decode]
+        router = contract.RouterArgs(prefill=tuple((p.url, bootstrap_port(p)) for p in prefill),
+                                     decode=tuple(d.url for d in decode))
+    router = replace(router, host=cfg.host, port=cfg.port, tokenizer=cfg.model, model_name=cfg.served_model_name,
+                     extra=cfg.router_args)
+    return [*workers, Component(ROUTER, ROUTER, tuple(contract.router_argv(router, program=PROGRAM)), {}, cfg.port)]

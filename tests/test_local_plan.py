@@ -1,0 +1,62 @@
+"""`tandem up`'s plan: the command lines, env and engine YAML come from the worker contract
+(as the operator writes them), and every port is distinct. torch-free, no process started."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import worker_contract as contract
+from tandem.cli import build_parser
+from tandem.local.plan import PROGRAM, ROUTER, Ports, UpConfig, bootstrap_port, plan
+
+
+def _cfg(tmp_path, **kw):
+    return UpConfig(model="/models/tiny", served_model_name="tiny", run_dir=tmp_path, port=18000, **kw)
+
+
+def _router_args(comp):
+    pytest.importorskip("fastapi")
+    return build_parser(("tandem.router.cli",)).parse_args(list(comp.argv[len(PROGRAM):]))
+
+
+def test_pd_plan_uses_the_contract(tmp_path):
+    comps = plan(_cfg(tmp_path, prefill=2, decode=1, worker_args=("--page-size", "16")))
+    assert [c.name for c in comps] == ["prefill-0", "prefill-1", "decode-0", ROUTER]
+    prefill, decode = comps[:2], comps[2]
+    for c in comps[:3]:
+        args = contract.parse_worker_argv(c.argv[len(PROGRAM) + 1:])
+        assert (args.role, args.model, args.served_model_name, args.port) == (c.role, "/models/tiny", "tiny", c.port)
+        assert args.extra == ("--page-size", "16")
+        doc = contract.EngineYaml.parse(c.files[args.config])
+        assert doc.kv_transfer.port_base == int(c.env[contract.ENV_KV_PORT_BASE])
+        assert c.env[contract.ENV_ROLE] == c.role and c.env[contract.ENV_POD_NAME] == c.name
+    peers = contract.EngineYaml.parse(next(iter(decode.files.values()))).engine_args["pd_prefill_peers"]
+    assert peers == ",".join(f"127.0.0.1:{bootstrap_port(p)}" for p in prefill)
+    router = _router_args(comps[-1])
+    assert router.prefill == [f"{p.url}={bootstrap_port(p)}" for p in prefill] and router.decode == [decode.url]
+    assert (router.port, router.tokenizer, router.model_name) == (18000, "/models/tiny", "tiny")
+
+
+def test_ports_and_kv_ranges_are_distinct(tmp_path):
+    comps = plan(_cfg(tmp_path, prefill=2, dp=3))
+    http = [c.port for c in comps]
+    boots = [bootstrap_port(c) for c in comps if c.role == contract.PREFILL]
+    assert len(set(http + boots)) == len(http) + len(boots)
+    ranges = [range(int(c.env[contract.ENV_KV_PORT_BASE]), int(c.env[contract.ENV_KV_PORT_BASE])
+                    + int(c.env[contract.ENV_KV_PORT_COUNT])) for c in comps if c.name != ROUTER]
+    assert sum(len(r) for r in ranges) == len(set().union(*ranges))
+    assert not set(http).intersection(*ranges)
+
+
+def test_colocated_dp_plan(tmp_path):
+    comps = plan(_cfg(tmp_path, colocated=True, dp=3))
+    assert [c.role for c in comps] == [contract.COLOCATED] * 3 + [ROUTER]
+    assert _router_args(comps[-1]).workers == [c.url for c in comps[:3]]
+
+
+def test_bad_counts_and_the_port_block(tmp_path):
+    with pytest.raises(ValueError, match="at least 1"):
+        _cfg(tmp_path, prefill=0)
+    ports = Ports()
+    a, b = ports.block(4, start=40000), ports.block(4, start=40000)
+    assert b >= a + 4
