@@ -18,11 +18,12 @@ _COMMAND_MODULES = (
     "tandem.server.cli",
     "tandem.router.cli",
     "tandem.local.cli",
+    "tandem.loadgen.cli",
 )
 
 
 # Third-party packages that only some extras install.
-_OPTIONAL = {"torch", "kopf", "kubernetes", "transformers", "fastapi", "uvicorn", "pydantic"}
+_OPTIONAL = {"httpx", "torch", "kopf", "kubernetes", "transformers", "fastapi", "uvicorn", "pydantic"}
 
 
 def build_parser(modules: tuple[str, ...] = _COMMAND_MODULES) -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,6 +115,27 @@ def _pools_whole(stack: Stack) -> None:
             assert state["whole"] in (True, None), (name, state)
 
 
+DASHBOARD = Path(__file__).parents[2] / "charts/tandem/dashboards/tandem.json"
+
+
+def _dashboard_metrics() -> set[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert panels and all(p["targets"] for p in panels)
+    return {m for p in panels for t in p["targets"] for m in re.findall(r"\btandem_[a-z_]+", t["expr"])}
+
+
+def _exported(text: str) -> set[str]:
+    """Series names a /metrics text has, histograms under their _bucket/_sum/_count names too."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            names.add(name)
+            if kind == "histogram":
+                names |= {name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return names
+
+
 def test_up_pd_serves_openai_and_stops_clean(model_path):
     stack = Stack(model_path("tiny")).wait_up()
     try:
@@ -127,8 +149,10 @@ def test_up_pd_serves_openai_and_stops_clean(model_path):
         chunks = list(client.completions.create(model="tiny", prompt="hi", max_tokens=5, stream=True,
                                                 stream_options={"include_usage": True}))
         assert chunks[-1].usage.completion_tokens == 5
-        events = httpx.get(stack.url + "/metrics", timeout=10).text
-        assert "tandem_router" in events
+        # Every series the Grafana dashboard queries is exported by the live router or a worker.
+        exported = set().union(*(_exported(httpx.get(info["url"] + "/metrics", timeout=10).text)
+                                 for info in stack.state().values()))
+        assert not _dashboard_metrics() - exported, _dashboard_metrics() - exported
         _pools_whole(stack)
     finally:
         code = stack.stop(signal.SIGTERM)
