@@ -35,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="engine YAMLs and stack.json (default: a temp dir)")
     p.add_argument("--restart", type=int, default=0, metavar="N", help="restart a dead component up to N times")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the first chat completion sent through the stack once it is up")
     p.set_defaults(func=_run)
 
 
@@ -105,10 +107,37 @@ def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     sup = Supervisor(components, sink, cfg.run_dir, restarts=args.restart, stop=stop)
-    return _serve(sup, cfg, components, args.ready_timeout, started)
+    return _serve(sup, cfg, components, args.ready_timeout, started, check=not args.no_check)
 
 
-def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout: float, started: float) -> int:
+def first_answer(cfg: UpConfig) -> str:
+    """One chat completion through the router, end to end (prefill, KV over NIXL, decode),
+    with the official openai client when it is installed: proof the stack serves."""
+    t0 = time.monotonic()
+    base = f"http://127.0.0.1:{cfg.port}/v1"
+    messages = [{"role": "user", "content": "Hello!"}]
+    try:
+        try:
+            from openai import OpenAI
+        except ImportError:
+            import httpx
+
+            resp = httpx.post(base + "/chat/completions", timeout=120, json={
+                "model": cfg.served_model_name, "messages": messages, "max_tokens": 16})
+            resp.raise_for_status()
+            text, via = resp.json()["choices"][0]["message"]["content"], "httpx"
+        else:
+            client = OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+            reply = client.chat.completions.create(model=cfg.served_model_name, messages=messages, max_tokens=16)
+            text, via = reply.choices[0].message.content, "the openai client"
+    except Exception as exc:  # noqa: BLE001 (any failure here means the stack does not serve)
+        raise StackDown(f"the first chat completion failed: {exc}") from None
+    return (f"tandem up: \u2713 first chat completion through {via} in {time.monotonic() - t0:.2f} s "
+            f"(random weights, so the words are noise): {text!r}")
+
+
+def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout: float, started: float,
+           check: bool = True) -> int:
     say = sup.sink.say
     workers = [c for c in components if c.name != ROUTER]
     say(f"tandem up: starting {_shape(cfg)} ({', '.join(c.name for c in workers)}), then the router on "
@@ -121,6 +150,8 @@ def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout:
         # The router starts last, so its port answers only once the stack can serve.
         sup.spawn(components[-1])
         sup.wait_ready([ROUTER], timeout, ready)
+        if check:
+            say(first_answer(cfg))
         say(banner(cfg, started))
         sup.watch()
         say("tandem up: stopping (router first, then the workers drain)")
