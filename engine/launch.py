@@ -122,6 +122,18 @@ def fix_malloc_mmap_threshold(threshold: int = 64 * 1024) -> None:
         pass
 
 
+def cpu_budget() -> int:
+    """The cores this worker may use: OMP_NUM_THREADS when set, else the CPUs it is pinned to
+    (`tandem up` pins each worker to its own cores; more threads than cores would make
+    OpenMP's spinning threads fight each other), else every core."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str,
                           role: str = COLOCATED, threads: int | None = None) -> None:
     """Entry point of one scheduler process: messages in over zmq PULL, outputs out over
@@ -131,7 +143,7 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
     import zmq
 
     fix_malloc_mmap_threshold()
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // config.dp_size))
+    torch.set_num_threads(threads or max(1, cpu_budget() // config.dp_size))
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(in_addr)

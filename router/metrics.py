@@ -21,6 +21,9 @@ class RouterMetrics:
         self.itl = Histogram("tandem_router_inter_token_latency_seconds", "gap between streamed chunks",
                              buckets=ITL_BUCKETS_SECONDS, registry=r)
         self.prompt_tokens = Counter("tandem_router_prompt_tokens", "prompt tokens routed", registry=r)
+        self.generation_tokens = Counter("tandem_router_generation_tokens",
+                                         "output tokens relayed (the worker's usage, else one per stream event)",
+                                         registry=r)
         self.retries = Counter("tandem_router_retries", "attempts retried on another worker", registry=r)
         self.queue = Gauge("tandem_router_queue_depth", "requests waiting for admission", registry=r)
         self.inflight = Gauge("tandem_router_inflight_requests", "requests admitted and not finished", registry=r)

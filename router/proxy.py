@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ class Proxy:
                 finally:
                     resp.release()
                 self.metrics.latency.observe(time.monotonic() - t0)
+                self.metrics.generation_tokens.inc(output_tokens(content, 0))
                 return Response(content, status_code=resp.status, media_type=media)
             streaming = True
             return StreamingResponse(self._relay(job, resp, route, release, prefill, t0), status_code=resp.status,
@@ -193,12 +195,15 @@ class Proxy:
 
     async def _relay(self, job: Job, resp: aiohttp.ClientResponse, route: Route, release: Callable[[], None],
                      prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
-        last = None
+        last, events, usage = None, 0, None
         try:
             async for chunk in resp.content.iter_any():
                 now = time.monotonic()
                 (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
                 last = now
+                events += chunk.count(b"data: {")
+                if b"completion_tokens" in chunk:  # the usage chunk, last before [DONE]
+                    usage = output_tokens(chunk, usage, last=True)
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
             route.main.breaker.on_fault()
@@ -207,11 +212,25 @@ class Proxy:
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             self.metrics.latency.observe(time.monotonic() - t0)
+            self.metrics.generation_tokens.inc(usage if usage is not None else events)
             resp.close()  # a stream cut short (client gone) closes the connection: the worker aborts
             release()
             job.done()
             if prefill is not None and not prefill.done():
                 prefill.cancel()
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def output_tokens(body: bytes, default: int | None, last: bool = False) -> int | None:
+    """completion_tokens from an OpenAI usage or SGLang meta_info in `body`; `default` without.
+    A whole response sums them (/generate with n > 1 answers one object per choice); a stream
+    takes the last, since /generate's events carry a running count."""
+    found = _COMPLETION_TOKENS.findall(body)
+    if not found:
+        return default
+    return int(found[-1]) if last else sum(int(x) for x in found)
 
 
 def _message(text: str, status: int) -> str:

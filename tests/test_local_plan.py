@@ -60,3 +60,12 @@ def test_bad_counts_and_the_port_block(tmp_path):
     ports = Ports()
     a, b = ports.block(4, start=40000), ports.block(4, start=40000)
     assert b >= a + 4
+
+
+def test_workers_get_disjoint_cores(tmp_path):
+    from tandem.local.plan import share_cores
+
+    assert share_cores((0, 1), 2) == [(0,), (1,)] and share_cores((0, 1, 2, 3), 3) == [(0,), (1,), (2, 3)]
+    assert share_cores((0, 1), 3) == [(0,), (1,), (0,)]
+    comps = plan(_cfg(tmp_path, cpus=(0, 1, 2, 3)))
+    assert [c.cpus for c in comps] == [(0, 1), (2, 3), ()]  # the router floats

@@ -203,3 +203,14 @@ def test_pd_pairs_only_one_generation() -> None:
     for _ in range(4):
         route = proxy.choose(Job("/generate", {"text": "x"}, list(range(64)), 100, False), set())
         assert route.prefill.url == "http://p-new:8000" and route.body["bootstrap_host"] == "p-new"
+
+
+def test_output_tokens_from_usage_and_meta_info():
+    from tandem.router.proxy import output_tokens
+
+    body = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}'
+    assert output_tokens(body, 0) == 7
+    generate_n2 = b'[{"meta_info": {"completion_tokens": 4}}, {"meta_info": {"completion_tokens": 5}}]'
+    assert output_tokens(generate_n2, 0) == 9
+    stream = b'data: {"meta_info": {"completion_tokens": 1}}\n\ndata: {"meta_info": {"completion_tokens": 2}}\n\n'
+    assert output_tokens(stream, None, last=True) == 2 and output_tokens(b"data: {}", None) is None

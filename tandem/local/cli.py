@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import socket
@@ -34,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", type=Path, default=None, help="write each component's log here, not the terminal")
     p.add_argument("--run-dir", type=Path, default=None, help="engine YAMLs and stack.json (default: a temp dir)")
     p.add_argument("--restart", type=int, default=0, metavar="N", help="restart a dead component up to N times")
+    p.add_argument("--no-pin", action="store_true",
+                   help="don't give each worker its own cores (by default they are shared out, as pod CPU limits)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the first chat completion sent through the stack once it is up")
@@ -59,7 +62,8 @@ def _config(args: argparse.Namespace) -> UpConfig:
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
                     prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
-                    worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)))
+                    worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)),
+                    cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))))
 
 
 def _shape(cfg: UpConfig) -> str:
@@ -142,6 +146,9 @@ def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout:
     workers = [c for c in components if c.name != ROUTER]
     say(f"tandem up: starting {_shape(cfg)} ({', '.join(c.name for c in workers)}), then the router on "
         f"{cfg.host}:{cfg.port}" + (f"; logs in {sup.sink.log_dir}" if sup.sink.log_dir else ""))
+    if cfg.cpus:
+        say("tandem up: cores " + ", ".join(f"{c.name} {','.join(map(str, c.cpus))}" for c in workers)
+            + " (--no-pin shares all of them)")
     ready = lambda name, s: say(f"tandem up: \u2713 {name} ready in {s:.1f} s")  # noqa: E731
     try:
         for comp in workers:

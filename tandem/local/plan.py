@@ -34,6 +34,7 @@ class UpConfig:
     dp: int | None = None  # data-parallel replicas of the serving role: decode workers, or colocated ones
     worker_args: tuple[str, ...] = ()  # engine flags for every worker (SGLang's names), as extraArgs in a CR
     router_args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] = ()  # cores to share out among the workers; () runs them unpinned
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.dp or 1) < 1:
@@ -52,6 +53,7 @@ class Component:
     env: Mapping[str, str] = field(default_factory=dict)
     port: int = 0
     files: Mapping[str, str] = field(default_factory=dict)  # path -> text, written before start
+    cpus: tuple[int, ...] = ()  # pinned to these cores (its torch threads follow: engine/launch.cpu_budget)
 
     @property
     def url(self) -> str:
@@ -121,6 +123,16 @@ def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapp
     return Component(name, role, tuple(argv), _env(name, role, kv), port, {str(config): yaml_text})
 
 
+def share_cores(cpus: Sequence[int], n: int) -> list[tuple[int, ...]]:
+    """Disjoint slices of `cpus` for n workers, as pods get CPU limits: a 2-core machine gives
+    prefill and decode one core each rather than two threads each on the same two cores.
+    More workers than cores share single cores round-robin."""
+    cpus = sorted(cpus)
+    if n <= len(cpus):
+        return [tuple(cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n]) for i in range(n)]
+    return [(cpus[i % len(cpus)],) for i in range(n)]
+
+
 def bootstrap_port(worker: Component) -> int:
     return contract.parse_worker_argv(worker.argv[len(PROGRAM) + 1:]).bootstrap_port
 
@@ -139,6 +151,8 @@ def plan(cfg: UpConfig, ports: Ports | None = None) -> list[Component]:
         workers = [*prefill, *decode]
         router = contract.RouterArgs(prefill=tuple((p.url, bootstrap_port(p)) for p in prefill),
                                      decode=tuple(d.url for d in decode))
+    if cfg.cpus:
+        workers = [replace(w, cpus=c) for w, c in zip(workers, share_cores(cfg.cpus, len(workers)))]
     router = replace(router, host=cfg.host, port=cfg.port, tokenizer=cfg.model, model_name=cfg.served_model_name,
                      extra=cfg.router_args)
     return [*workers, Component(ROUTER, ROUTER, tuple(contract.router_argv(router, program=PROGRAM)), {}, cfg.port)]

@@ -32,11 +32,16 @@ ROUTER_STOP_S = 15.0  # the router's graceful shutdown (10 s) plus margin
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not glibc: shutdown() still kills every process group
+def _child_setup(cpus: tuple[int, ...]) -> Callable[[], None]:
+    def setup() -> None:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass  # not glibc: shutdown() still kills every process group
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 @dataclass
@@ -70,7 +75,7 @@ class Supervisor:
         out = self.sink.stdout_for(comp.name)
         proc = subprocess.Popen(comp.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **comp.env, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_child_setup(comp.cpus))
         if not isinstance(out, int):
             out.close()  # the child holds its own descriptor
         self.sink.attach(comp.name, proc)
@@ -81,7 +86,7 @@ class Supervisor:
     def _write_state(self) -> None:
         """stack.json: what runs where, for users and tests (pids are process-group leaders)."""
         state = {name: {"role": c.comp.role, "pid": c.proc.pid, "url": c.comp.url, "argv": list(c.comp.argv),
-                        "restarts": c.restarts} for name, c in self.children.items()}
+                        "cpus": list(c.comp.cpus), "restarts": c.restarts} for name, c in self.children.items()}
         (self.run_dir / "stack.json").write_text(json.dumps(state, indent=2))
 
     def wait_ready(self, names: Sequence[str], timeout: float, on_ready: Callable[[str, float], None]) -> None:
