@@ -170,6 +170,13 @@ def test_up_colocated_dp(model_path):
         for _ in range(4):
             done = stack.client().completions.create(model="tiny", prompt="abc", max_tokens=4)
             assert done.usage.completion_tokens == 4
+        # A stream in flight at Ctrl-C finishes: the router stops taking requests, the workers drain.
+        stream = stack.client().completions.create(model="tiny", prompt="long", max_tokens=400, stream=True,
+                                                   extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        stack.proc.send_signal(signal.SIGINT)
+        finish = [c.choices[0].finish_reason for c in stream if c.choices]
+        assert first.choices[0].text is not None and finish[-1] == "length", finish[-3:]
     finally:
         code = stack.stop(signal.SIGINT)  # Ctrl-C
     assert code == 0, stack.output()
