@@ -4,7 +4,7 @@ request models, tokenized once here), health, metrics, and the admin API for wor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -32,7 +32,7 @@ def _check_model(state: Any, model: str) -> None:
                           code="model_not_found", param="model")
 
 
-async def _run(request: Request, state: Any, job: Job) -> Response:
+async def run(request: Request, state: Any, job: Job) -> Response:
     state.metrics.prompt_tokens.inc(len(job.ids))
     await state.admission.acquire()
     job.done = _once(state.admission.release)  # a stream holds its slot until its last byte
@@ -72,41 +72,37 @@ async def _tokens(state: Any, fn: Any, arg: Any) -> list[int]:
         raise bad_request(str(exc), param="messages") from None
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = _state(request)
+# ---- the proxied routes: a request body becomes a Job (router/fast_path.py serves them) ----------
+async def completion_job(state: Any, body: CompletionRequest, raw: dict) -> Job:
     _check_model(state, body.model)
-    raw = await request.json()
     prompts = body.prompts()
     ids = [p if isinstance(p, list) else await _tokens(state, state.tokenizer.encode, p) for p in prompts]
     if not body.echo and state.tokenizer.real:  # workers get ids (echo needs the text as written)
         raw["prompt"] = ids[0] if len(ids) == 1 else ids
     budget = body.max_tokens if body.max_tokens is not None else DEFAULT_BUDGET
-    job = Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
-    return await _run(request, state, job)
+    return Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
 
 
-@router.post("/v1/chat/completions")
-async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-    state = _state(request)
+async def chat_job(state: Any, body: ChatCompletionRequest, raw: dict) -> Job:
     _check_model(state, body.model)
-    raw = await request.json()
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     ids = await _tokens(state, state.tokenizer.chat, messages)
     budget = body.max_new_tokens or DEFAULT_BUDGET
-    return await _run(request, state, Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n,
-                                          body.stream))
+    return Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n, body.stream)
 
 
-@router.post("/generate")
-async def generate(body: GenerateRequest, request: Request) -> Response:
-    state = _state(request)
-    raw = await request.json()
+async def generate_job(state: Any, body: GenerateRequest, raw: dict) -> Job:
     first = body.prompts()[0]
     ids = first if isinstance(first, list) else await _tokens(state, state.tokenizer.encode, first)
     budget = body.sampling_params.max_new_tokens
-    return await _run(request, state, Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()),
-                                          body.stream))
+    return Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()), body.stream)
+
+
+PROXIED: dict[str, tuple[type[BaseModel], Callable[[Any, Any, dict], Awaitable[Job]]]] = {
+    "/v1/completions": (CompletionRequest, completion_job),
+    "/v1/chat/completions": (ChatCompletionRequest, chat_job),
+    "/generate": (GenerateRequest, generate_job),
+}
 
 
 @router.get("/v1/models")

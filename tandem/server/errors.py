@@ -45,7 +45,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_body(status, message, code, param), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
         return "invalid request", None
@@ -69,7 +69,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(400, message, "invalid_request", param)
 
     @app.exception_handler(StarletteHTTPException)
