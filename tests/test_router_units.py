@@ -214,3 +214,22 @@ def test_output_tokens_from_usage_and_meta_info():
     assert output_tokens(generate_n2, 0) == 9
     stream = b'data: {"meta_info": {"completion_tokens": 1}}\n\ndata: {"meta_info": {"completion_tokens": 2}}\n\n'
     assert output_tokens(stream, None, last=True) == 2 and output_tokens(b"data: {}", None) is None
+
+
+def test_cache_aware_places_tenants_by_traffic_volume() -> None:
+    """8 tenants with uneven traffic over 4 idle workers (nothing in flight, so only the
+    volume counts can balance them): requests served stay within 1.3x max/min, and a tenant's
+    prefix is copied to a second worker only a few times (each copy is one extra miss)."""
+    import random
+
+    rng = random.Random(0)
+    tenants = [[rng.randrange(10, 8000) for _ in range(64)] for _ in range(8)]
+    pool = _pool()
+    pol = Policy("cache_aware", PrefixIndex(block=4))
+    served = {w.url: 0 for w in pool}
+    for _ in range(256):
+        ids = rng.choices(tenants, weights=[3, 2, 2, 1, 1, 1, 1, 1])[0] + [rng.randrange(10, 8000)] * 4
+        w, _ = pol.pick(pool, ids)
+        served[w.url] += 1
+    assert max(served.values()) <= 1.3 * min(served.values()), served
+    assert pol.misses <= 8 + 8, pol.misses  # one per tenant, plus the copies of the heaviest
