@@ -54,6 +54,17 @@ def _ours(model: str, urls: list[str], policy: str) -> tuple[Worker, str]:
     return r, r.url
 
 
+def _routers(model: str, urls: list[str], policy: str) -> tuple[Worker, str, subprocess.Popen, str]:
+    """Both routers in front of `urls`; ours is stopped again if sglang-router fails to start."""
+    ours, ours_url = _ours(model, urls, policy)
+    try:
+        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", policy)
+    except BaseException:
+        ours.stop()
+        raise
+    return ours, ours_url, sgl, sgl_url
+
+
 async def _latencies(url: str, n: int) -> list[float]:
     async with httpx.AsyncClient(timeout=60) as c:
         out = []
@@ -91,8 +102,7 @@ def overhead(args: argparse.Namespace) -> dict:
     try:
         for u in urls:
             _wait(u)
-        ours, ours_url = _ours(args.model, urls, "round_robin")
-        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", "round_robin")
+        ours, ours_url, sgl, sgl_url = _routers(args.model, urls, "round_robin")
         try:
             for r in range(args.rounds):
                 order = [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]
@@ -161,8 +171,7 @@ def cache(args: argparse.Namespace) -> dict:
         for w in workers:
             w.wait_ready(600)
         urls = [w.url for w in workers]
-        ours, ours_url = _ours(args.model, urls, "cache_aware")
-        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", "cache_aware")
+        ours, ours_url, sgl, sgl_url = _routers(args.model, urls, "cache_aware")
         try:
             for r in range(args.rounds):
                 prompts = _tenant_workload(r)
