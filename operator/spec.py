@@ -60,6 +60,20 @@ class ServiceSpec:
 
 
 def parse_service(cr: dict[str, Any]) -> ServiceSpec:
+    """The CR as a ServiceSpec, or SpecError. Malformed input the checks below did not foresee
+    (a string where a mapping belongs, a list for a number) is a SpecError too, never an
+    exception out of the operator."""
+    try:
+        return _parse(cr)
+    except SpecError:
+        raise
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+        raise SpecError([f"the spec is malformed ({type(exc).__name__}: {exc})"]) from None
+
+
+def _parse(cr: dict[str, Any]) -> ServiceSpec:
+    if not isinstance(cr, dict) or not isinstance(cr.get("metadata") or {}, dict):
+        raise SpecError(["metadata must be a mapping"])
     meta = cr.get("metadata") or {}
     raw = cr.get("spec")
     if not isinstance(raw, dict):

@@ -116,9 +116,17 @@ class Rollout:
     max_unavailable: int | str
 
 
-def _int(value: Any, where: str, errors: list[str], lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        errors.append(f"{where} must be an integer >= {lo}, got {value!r}")
+# Upper bounds the operator enforces itself, not only through the CRD schema (a CR can reach
+# it unvalidated: an old CRD, a dry run, `tandem operator render`).
+MAX_REPLICAS = 10_000
+MAX_TENSOR_PARALLEL = 64
+MAX_SECONDS = 86_400
+
+
+def _int(value: Any, where: str, errors: list[str], lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        errors.append(f"{where} must be an integer {bound}, got {value!r}")
         return lo
     return value
 
@@ -166,20 +174,23 @@ def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) ->
     where = f"spec.{role}"
     spec = RoleSpec(
         role=role,
-        replicas=_int(raw["replicas"], f"{where}.replicas", errors),
-        min_replicas=_int(raw["minReplicas"], f"{where}.minReplicas", errors),
-        max_replicas=_int(raw["maxReplicas"], f"{where}.maxReplicas", errors, lo=1),
+        replicas=_int(raw["replicas"], f"{where}.replicas", errors, hi=MAX_REPLICAS),
+        min_replicas=_int(raw["minReplicas"], f"{where}.minReplicas", errors, hi=MAX_REPLICAS),
+        max_replicas=_int(raw["maxReplicas"], f"{where}.maxReplicas", errors, lo=1, hi=MAX_REPLICAS),
         image=str(raw.get("image") or image),
         resources=dict(raw.get("resources") or {}),
         node_selector={str(k): str(v) for k, v in (raw.get("nodeSelector") or {}).items()},
         tolerations=tuple(raw.get("tolerations") or ()),
         extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
         template=dict(raw.get("template") or {}),
-        tensor_parallel_size=_int(raw["tensorParallelSize"], f"{where}.tensorParallelSize", errors, lo=1),
-        drain_timeout_s=int(raw.get("drainTimeoutSeconds", 0)),
-        startup_timeout_s=int(raw.get("startupTimeoutSeconds", 60)),
+        tensor_parallel_size=_int(raw["tensorParallelSize"], f"{where}.tensorParallelSize", errors, lo=1,
+                                  hi=MAX_TENSOR_PARALLEL),
+        drain_timeout_s=_int(raw.get("drainTimeoutSeconds", 0), f"{where}.drainTimeoutSeconds", errors,
+                             hi=MAX_SECONDS),
+        startup_timeout_s=_int(raw.get("startupTimeoutSeconds", 60), f"{where}.startupTimeoutSeconds", errors,
+                               hi=MAX_SECONDS),
         service_type=str(raw.get("serviceType", "ClusterIP")),
-        service_port=int(raw.get("servicePort", 80)),
+        service_port=_int(raw.get("servicePort", 80), f"{where}.servicePort", errors, lo=1, hi=65535),
     )
     if spec.min_replicas > spec.max_replicas:
         errors.append(f"{where}.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})")
