@@ -7,7 +7,14 @@ from typing import Any
 from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
-from tandem.operator.pods import deployment, downward_env, drain_command, http_probe, pod_spec
+from tandem.operator.pods import (
+    deployment,
+    downward_env,
+    drain_command,
+    http_probe,
+    pod_spec,
+    restricted_security_context,
+)
 from tandem.operator.spec import ServiceSpec
 
 ROUTER_DRAIN_S = 30
@@ -35,12 +42,7 @@ def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
         "livenessProbe": http_probe(names.HEALTH_PATH, 10, 3, 3),
         "readinessProbe": http_probe(names.READY_PATH, 5, 3, 2),
         "lifecycle": {"preStop": {"exec": {"command": drain_command(ROUTER_DRAIN_S)}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": restricted_security_context(),
         # The root filesystem is read-only; Python and the HTTP server still want a /tmp.
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }

@@ -13,7 +13,7 @@ from typing import Any
 from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.engine_config import CONFIG_HASH_ANNOTATION, config_hash, config_key
-from tandem.operator.pods import deployment, drain_command, http_probe, pod_spec
+from tandem.operator.pods import deployment, drain_command, http_probe, pod_spec, restricted_security_context
 from tandem.operator.spec import ServiceSpec
 from tandem.operator.spec_parts import GPU, RoleSpec
 
@@ -43,7 +43,11 @@ def worker_resources(spec: RoleSpec) -> dict[str, Any]:
 
 def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
     kv = contract.KvTransfer(backend=svc.kv.backend, port_base=svc.kv.port_base, port_count=svc.kv.port_count)
-    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices)
+    # The root filesystem is read-only: the CPU kernel build cache, the Triton / HF caches and
+    # Python's own temp files all go under the /tmp emptyDir.
+    writable = [{"name": "HOME", "value": "/tmp"}, {"name": "TANDEM_HOME", "value": "/tmp/tandem"},
+                {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}]
+    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable
 
 
 def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:
@@ -65,6 +69,7 @@ def worker_volumes(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
         }},
         # NCCL and the KV transfer engine use shared memory; the container default is 64 MiB.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
     ]
 
 
@@ -87,8 +92,9 @@ def worker_container(svc: ServiceSpec, spec: RoleSpec) -> dict[str, Any]:
             {"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True},
             {"name": "engine-config", "mountPath": names.ENGINE_CONFIG_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
         ],
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": restricted_security_context(),
     }
 
 

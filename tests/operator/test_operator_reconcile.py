@@ -164,7 +164,7 @@ def test_template_overrides_merge_by_name_and_keep_selector_labels(minimal_cr: d
     assert pod["spec"]["priorityClassName"] == "high"
     main, sidecar = pod["spec"]["containers"]
     assert main["command"][:4] == ["tandem", "serve", "--role", "decode"]
-    assert main["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
+    assert main["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert main["securityContext"]["allowPrivilegeEscalation"] is False
     assert sidecar == {"name": "sidecar", "image": "busybox"}
     for version in KUBE_VERSIONS:
