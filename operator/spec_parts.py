@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.spec_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 
 GPU = "nvidia.com/gpu"
 DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}
@@ -114,28 +115,6 @@ class SloSpec:
 class Rollout:
     max_surge: int | str
     max_unavailable: int | str
-
-
-# Upper bounds the operator enforces itself, not only through the CRD schema (a CR can reach
-# it unvalidated: an old CRD, a dry run, `tandem operator render`).
-MAX_REPLICAS = 10_000
-MAX_TENSOR_PARALLEL = 64
-MAX_SECONDS = 86_400
-
-
-def _int(value: Any, where: str, errors: list[str], lo: int = 0, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        errors.append(f"{where} must be an integer {bound}, got {value!r}")
-        return lo
-    return value
-
-
-def _num(value: Any, where: str, errors: list[str]) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        errors.append(f"{where} must be a positive number, got {value!r}")
-        return 1.0
-    return float(value)
 
 
 def parse_model(raw: Any, errors: list[str]) -> ModelSource | None:

@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from tandem.local.logs import LogSink
-from tandem.local.plan import ROUTER, Component, UpConfig, plan
+from tandem.local.plan import ROUTER, Component, UpConfig, bindable, plan
 from tandem.local.supervisor import StackDown, Supervisor
 
 
@@ -41,16 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip the first chat completion sent through the stack once it is up")
     p.set_defaults(func=_run)
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _config(args: argparse.Namespace) -> UpConfig:
@@ -96,7 +85,7 @@ def banner(cfg: UpConfig, started: float) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not _port_free(args.host, args.port):
+    if not bindable(args.host, args.port):
         print(f"tandem up: port {args.port} on {args.host} is in use; pick another with --port", file=sys.stderr)
         return 2
     started = time.monotonic()

@@ -85,17 +85,20 @@ class Ports:
         base = start
         while base + count <= 65536:
             window = range(base, base + count)
-            if not self.taken.intersection(window) and all(_bindable(p) for p in window):
+            if not self.taken.intersection(window) and all(bindable("0.0.0.0", p) for p in window):
                 self.taken.update(window)
                 return base
             base += count
         raise RuntimeError(f"no {count} consecutive free ports above {start}")
 
 
-def _bindable(port: int) -> bool:
+def bindable(host: str, port: int) -> bool:
+    """Whether a listener could take host:port now (UCX's KV listeners use 0.0.0.0). SO_REUSEADDR
+    as uvicorn sets it: connections left in TIME_WAIT do not make a port busy."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("0.0.0.0", port))  # UCX listens on every interface
+            s.bind((host, port))
         except OSError:
             return False
     return True

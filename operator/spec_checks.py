@@ -1,0 +1,27 @@
+"""Field checks the spec parsers share: each appends a message to `errors` and returns a safe
+stand-in, so one pass reports every problem of a spec at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Upper bounds the operator enforces itself, not only through the CRD schema (a CR can reach
+# it unvalidated: an old CRD, a dry run, `tandem operator render`).
+MAX_REPLICAS = 10_000
+MAX_TENSOR_PARALLEL = 64
+MAX_SECONDS = 86_400
+
+
+def _int(value: Any, where: str, errors: list[str], lo: int = 0, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        errors.append(f"{where} must be an integer {bound}, got {value!r}")
+        return lo
+    return value
+
+
+def _num(value: Any, where: str, errors: list[str]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        errors.append(f"{where} must be a positive number, got {value!r}")
+        return 1.0
+    return float(value)
