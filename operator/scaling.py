@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from tandem.operator.ratio import nearest_feasible
 from tandem.operator.spec import ServiceSpec
-from tandem.operator.spec_parts import StepRule, ratio_ok
+from tandem.operator.spec_parts import StepRule
 
 
 @dataclass(frozen=True)
@@ -151,23 +152,6 @@ def _propose(policy: RolePolicy, state: RoleState, value: float | None, now: flo
         wanted = current
     wanted = clamp(wanted, current - pol.down.max_step, current + pol.up.max_step)
     return wanted, replace(state, replicas=current, history=history)
-
-
-def nearest_feasible(want_p: int, want_d: int, p_range: tuple[int, int], d_range: tuple[int, int],
-                     lo: float, hi: float) -> tuple[int, int] | None:
-    """The (P, D) inside both ranges with lo <= P/D <= hi closest to what was wanted.
-
-    Ties go to more pods (protecting the SLO), then to more decode pods.
-    """
-    best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
-    for p in range(p_range[0], p_range[1] + 1):
-        for d in range(d_range[0], d_range[1] + 1):
-            if not ratio_ok(p, d, lo, hi):
-                continue
-            key = (abs(p - want_p) + abs(d - want_d), -(p + d), -d)
-            if best is None or key < best[0]:
-                best = (key, (p, d))
-    return None if best is None else best[1]
 
 
 def project_ratio(want_p: int, want_d: int, cur_p: int, cur_d: int, pol: Policy) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.ratio import ratio_feasible
 from tandem.operator.spec_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 
 GPU = "nvidia.com/gpu"
@@ -197,20 +198,6 @@ def _steps(raw: dict[str, Any]) -> StepRule:
     return StepRule(int(raw["stabilizationWindowSeconds"]), int(raw["cooldownSeconds"]), int(raw["maxStep"]))
 
 
-def ratio_feasible(prefill: RoleSpec, decode: RoleSpec, lo: float, hi: float) -> bool:
-    """Whether some pair of counts inside both roles' bounds keeps lo <= P/D <= hi."""
-    for d in range(max(decode.min_replicas, 1), decode.max_replicas + 1):
-        for p in range(max(prefill.min_replicas, 1), prefill.max_replicas + 1):
-            if ratio_ok(p, d, lo, hi):
-                return True
-    return False
-
-
-def ratio_ok(prefill: int, decode: int, lo: float, hi: float) -> bool:
-    # The epsilon keeps e.g. 3 / 12 == 0.25 inside a [0.25, ...] range despite float rounding.
-    return decode > 0 and lo - 1e-9 <= prefill / decode <= hi + 1e-9
-
-
 def parse_autoscaling(raw: dict[str, Any], slo: SloSpec, prefill: RoleSpec, decode: RoleSpec,
                       errors: list[str]) -> AutoscalingSpec:
     source = raw["metricsSource"]
@@ -236,7 +223,8 @@ def parse_autoscaling(raw: dict[str, Any], slo: SloSpec, prefill: RoleSpec, deco
     for role in (prefill, decode):
         if role.min_replicas < 1:
             errors.append(f"spec.{role.role}.minReplicas must be >= 1 when autoscaling is enabled")
-    if not errors and not ratio_feasible(prefill, decode, spec.ratio_min, spec.ratio_max):
+    if not errors and not ratio_feasible((prefill.min_replicas, prefill.max_replicas),
+                                         (decode.min_replicas, decode.max_replicas), spec.ratio_min, spec.ratio_max):
         errors.append(
             f"no prefill/decode counts within the replica bounds keep the P:D ratio in "
             f"[{spec.ratio_min}, {spec.ratio_max}]"
