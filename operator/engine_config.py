@@ -1,8 +1,9 @@
 """The engine-args ConfigMap: one engine.yaml per worker role.
 
 Each role gets its own key because tensor parallel size is per role; the worker
-Deployment mounts its role's key as /etc/tandem/engine.yaml. A hash of that text
-goes into the pod template annotations, so changing engine args rolls the pods.
+Deployment mounts its role's key as /etc/tandem/engine.yaml. There is one ConfigMap per
+model generation (generation.py), so an old generation's pod that restarts mid-rollout
+still reads the config it is compatible with.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from tandem.worker_contract import DECODE, PREFILL, EngineYaml, KvTransfer
 CONFIG_HASH_ANNOTATION = "tandem.dev/engine-config-hash"
 
 
-def role_engine_yaml(svc: ServiceSpec, role: str) -> str:
+def role_engine_yaml(svc: ServiceSpec, role: str, generation: str) -> str:
     """The role's engine.yaml, in the worker contract's schema (`tandem serve` parses it back).
     Decode pods handshake with the prefill pods' headless Service at start: their readiness
     waits for it (and follows it through heartbeats), so no decode pod takes traffic it
-    cannot serve disaggregated."""
+    cannot serve disaggregated. The Service is the generation's own: a decode pod never
+    handshakes with a prefill pod it cannot exchange KV with."""
     args = dict(svc.engine_args)
     if role == DECODE:
-        prefill = f"{names.role_name(svc.name, PREFILL)}.{svc.namespace}.svc.cluster.local"
+        prefill = f"{names.generation_name(svc.name, PREFILL, generation)}.{svc.namespace}.svc.cluster.local"
         args.setdefault("pd_prefill_peers", f"{prefill}:{names.BOOTSTRAP_PORT}")
     return EngineYaml(
         engine_args=args,
@@ -38,14 +40,16 @@ def config_key(role: str) -> str:
     return f"{role}.yaml"
 
 
-def config_hash(svc: ServiceSpec, role: str) -> str:
-    return hashlib.sha256(role_engine_yaml(svc, role).encode()).hexdigest()[:16]
+def config_hash(svc: ServiceSpec, role: str, generation: str) -> str:
+    return hashlib.sha256(role_engine_yaml(svc, role, generation).encode()).hexdigest()[:16]
 
 
-def engine_configmap(svc: ServiceSpec) -> dict[str, Any]:
+def engine_configmap(svc: ServiceSpec, generation: str) -> dict[str, Any]:
+    meta = child_meta(svc, names.engine_config_name(svc.name, generation))
+    meta["labels"][names.LABEL_GENERATION] = generation
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": child_meta(svc, names.engine_config_name(svc.name)),
-        "data": {config_key(role): role_engine_yaml(svc, role) for role in names.WORKER_ROLES},
+        "metadata": meta,
+        "data": {config_key(role): role_engine_yaml(svc, role, generation) for role in names.WORKER_ROLES},
     }

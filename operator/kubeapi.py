@@ -187,6 +187,17 @@ class KubeApi:
         # Filter here as well: selectors are the server's job, but a wrong match would be acted upon.
         return [i for i in items if labels.items() <= ((i.get("metadata") or {}).get("labels") or {}).items()]
 
+    async def merge_patch(self, api_version: str, kind: str, namespace: str, name: str,
+                          body: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+        """A JSON merge patch of a few fields we do not own through apply (an old generation's
+        replicas, a pod annotation, a status): it leaves the applied field set untouched."""
+        response = await self._send(
+            "PATCH", resource_path(api_version, kind, namespace, name, subresource),
+            params={"fieldManager": self.field_manager}, content=json.dumps(body).encode(),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        return response.json()
+
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         try:
             await self._send("DELETE", resource_path(api_version, kind, namespace, name),

@@ -48,6 +48,10 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# The model generation (generation.py): worker Deployments select on it, so each generation's
+# pods belong to that generation's Deployment only, and the router pairs within one generation.
+LABEL_GENERATION = contract.GENERATION_LABEL
+GENERATION_LENGTH = 10
 
 
 def selector_labels(instance: str, role: str | None = None) -> dict[str, str]:
@@ -67,8 +71,14 @@ def selector_string(labels: dict[str, str]) -> str:
 
 
 def role_name(instance: str, role: str) -> str:
-    """Deployment, headless Service and PDB name of one role."""
+    """Headless Service and PDB name of one role (all generations)."""
     return f"{instance}-{role}"
+
+
+def generation_name(instance: str, role: str, generation: str) -> str:
+    """A worker Deployment of one generation, and the prefill Service decode pods of that
+    generation handshake with: at most 40 + 9 + GENERATION_LENGTH = 59 characters."""
+    return f"{instance}-{role}-{generation}"
 
 
 def router_service_name(instance: str) -> str:
@@ -80,8 +90,9 @@ def router_account_name(instance: str) -> str:
     return f"{instance}-router"
 
 
-def engine_config_name(instance: str) -> str:
-    return f"{instance}-engine"
+def engine_config_name(instance: str, generation: str) -> str:
+    # Per generation: pods of an old generation restarting mid-rollout must read the old config.
+    return f"{instance}-engine-{generation}"
 
 
 def network_policy_name(instance: str) -> str:

@@ -1,4 +1,5 @@
-"""Worker Services, PodDisruptionBudgets and the NetworkPolicy that keeps KV traffic in the instance."""
+"""Worker Services, PodDisruptionBudgets and the NetworkPolicy that keeps KV traffic in the instance
+and the HTTP port to its router and named namespaces."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
+from tandem.operator.policy import OperatorPolicy
 from tandem.operator.spec import ServiceSpec
 
 
@@ -27,44 +29,63 @@ def headless_service(svc: ServiceSpec, role: str) -> dict[str, Any]:
     }
 
 
-def disruption_budget(svc: ServiceSpec, role: str) -> dict[str, Any]:
-    # One pod at a time: evictions then never take out a whole role, and the drain of one pod
-    # finishes before the next starts. AlwaysAllow lets a crash-looping pod be evicted anyway.
+def generation_prefill_service(svc: ServiceSpec, generation: str) -> dict[str, Any]:
+    """The prefill pods of one generation: what that generation's decode pods handshake with."""
+    service = headless_service(svc, names.PREFILL)
+    service["metadata"] = child_meta(svc, names.generation_name(svc.name, names.PREFILL, generation), names.PREFILL)
+    service["metadata"]["labels"][names.LABEL_GENERATION] = generation
+    service["spec"]["selector"] = {**service["spec"]["selector"], names.LABEL_GENERATION: generation}
+    return service
+
+
+def disruption_budget(svc: ServiceSpec, role: str, replicas: int) -> dict[str, Any]:
+    # One pod at a time, and never the last ready one: minAvailable follows the desired count
+    # (n - 1, at least 1), so a node drain waits rather than taking a role to zero. AlwaysAllow
+    # still lets a crash-looping pod be evicted.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": child_meta(svc, names.role_name(svc.name, role), role),
         "spec": {
-            "maxUnavailable": 1,
+            "minAvailable": max(1, replicas - 1),
             "selector": {"matchLabels": names.selector_labels(svc.name, role)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
 
-def kv_network_policy(svc: ServiceSpec) -> dict[str, Any]:
-    """Bootstrap and KV ports accept only this instance's workers; the HTTP port stays open."""
-    instance = {"matchLabels": names.selector_labels(svc.name)}
-    workers = {
+def _role_pods(svc: ServiceSpec, roles: tuple[str, ...]) -> dict[str, Any]:
+    return {"podSelector": {
         "matchLabels": names.selector_labels(svc.name),
-        "matchExpressions": [{
-            "key": names.LABEL_COMPONENT, "operator": "In", "values": list(names.WORKER_ROLES),
-        }],
-    }
+        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "In", "values": list(roles)}],
+    }}
+
+
+def kv_network_policy(svc: ServiceSpec, policy: OperatorPolicy) -> dict[str, Any]:
+    """Ingress to worker pods. Bootstrap and KV ports: this instance's prefill and decode pods
+    only. HTTP (the OpenAI API, /metrics, admin routes): this instance's router and workers,
+    plus pods of the namespaces the chart names (the operator's own, which scrapes metrics,
+    and e.g. a monitoring namespace); nothing else."""
+    workers = _role_pods(svc, names.WORKER_ROLES)
     kv_ports = [
         {"protocol": "TCP", "port": names.BOOTSTRAP_PORT},
         {"protocol": "TCP", "port": svc.kv.port_base, "endPort": svc.kv.port_base + svc.kv.port_count - 1},
     ]
+    http_from: list[dict[str, Any]] = [_role_pods(svc, names.ROLES)]
+    if policy.http_from_namespaces:
+        http_from.append({"namespaceSelector": {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "In",
+            "values": sorted(set(policy.http_from_namespaces))}]}})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": child_meta(svc, names.network_policy_name(svc.name)),
         "spec": {
-            "podSelector": workers,
+            "podSelector": workers["podSelector"],
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [{"podSelector": instance}], "ports": kv_ports},
-                {"ports": [{"protocol": "TCP", "port": names.HTTP_PORT}]},
+                {"from": [workers], "ports": kv_ports},
+                {"from": http_from, "ports": [{"protocol": "TCP", "port": names.HTTP_PORT}]},
             ],
         },
     }

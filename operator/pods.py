@@ -35,6 +35,21 @@ def drain_command(timeout_s: int) -> list[str]:
     return ["python3", "-c", script]
 
 
+# Requests for what the user left unset: a pod with none is BestEffort, the first evicted under
+# node pressure, and a model server must not be. A limit alone already implies a request.
+WORKER_REQUESTS = {"cpu": "2", "memory": "8Gi"}
+ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+
+
+def with_requests(resources: dict[str, Any], defaults: dict[str, str]) -> dict[str, Any]:
+    out = {key: dict(value) for key, value in resources.items() if isinstance(value, dict)}
+    requests, limits = out.get("requests") or {}, out.get("limits") or {}
+    missing = {k: v for k, v in defaults.items() if k not in requests and k not in limits}
+    if missing:
+        out["requests"] = {**requests, **missing}
+    return out
+
+
 # A non-root UID the runtime image owns nothing as; the restricted Pod Security profile needs
 # runAsNonRoot, and a kubelet can only verify it with a numeric user.
 RUN_AS_USER = 1000
@@ -79,9 +94,16 @@ def pod_spec(svc: ServiceSpec, spec: RoleSpec, containers: list[dict[str, Any]],
 
 
 def deployment(svc: ServiceSpec, spec: RoleSpec, replicas: int, pod: dict[str, Any],
-               annotations: dict[str, str], progress_deadline_s: int) -> dict[str, Any]:
-    """Wrap a pod spec into the role's Deployment, applying the role's template overrides."""
+               annotations: dict[str, str], progress_deadline_s: int,
+               generation: str | None = None) -> dict[str, Any]:
+    """Wrap a pod spec into the role's Deployment, applying the role's template overrides.
+    A worker Deployment belongs to one model generation and selects on it."""
     selector = names.selector_labels(svc.name, spec.role)
+    name = names.role_name(svc.name, spec.role)
+    if generation is not None:
+        selector[names.LABEL_GENERATION] = generation
+        name = names.generation_name(svc.name, spec.role, generation)
+    rollout = svc.rollout_of(spec.role)
     template = merge(
         {"metadata": {"labels": names.standard_labels(svc.name, spec.role), "annotations": annotations},
          "spec": pod},
@@ -92,15 +114,15 @@ def deployment(svc: ServiceSpec, spec: RoleSpec, replicas: int, pod: dict[str, A
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_meta(svc, names.role_name(svc.name, spec.role), spec.role),
+        "metadata": _deployment_meta(svc, name, spec.role, generation),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector},
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {
-                    "maxSurge": svc.rollout.max_surge,
-                    "maxUnavailable": svc.rollout.max_unavailable,
+                    "maxSurge": rollout.max_surge,
+                    "maxUnavailable": rollout.max_unavailable,
                 },
             },
             "revisionHistoryLimit": 5,
@@ -108,3 +130,10 @@ def deployment(svc: ServiceSpec, spec: RoleSpec, replicas: int, pod: dict[str, A
             "template": template,
         },
     }
+
+
+def _deployment_meta(svc: ServiceSpec, name: str, role: str, generation: str | None) -> dict[str, Any]:
+    meta = child_meta(svc, name, role)
+    if generation is not None:
+        meta["labels"][names.LABEL_GENERATION] = generation
+    return meta

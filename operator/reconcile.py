@@ -13,10 +13,18 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.engine_config import engine_configmap
-from tandem.operator.network import disruption_budget, headless_service, kv_network_policy
+from tandem.operator.generation import generation_of
+from tandem.operator.network import (
+    disruption_budget,
+    generation_prefill_service,
+    headless_service,
+    kv_network_policy,
+)
+from tandem.operator.policy import OperatorPolicy, policy_problems
+from tandem.operator.ratio import Pair, nearest_feasible
 from tandem.operator.router import router_deployment, router_rbac, router_service
-from tandem.operator.scaling import clamp, nearest_feasible
-from tandem.operator.spec import ServiceSpec, parse_service
+from tandem.operator.scaling import clamp
+from tandem.operator.spec import ServiceSpec, SpecError, parse_service
 from tandem.operator.workers import worker_deployment
 
 # Children are applied in this order: config and identities before the pods that use them.
@@ -65,18 +73,28 @@ def desired_replicas(svc: ServiceSpec, status: dict[str, Any] | None) -> RoleRep
     return RoleReplicas(p, d, svc.router.replicas)
 
 
-def desired_children(svc: ServiceSpec, replicas: RoleReplicas) -> list[dict[str, Any]]:
-    children: list[dict[str, Any]] = [engine_configmap(svc), *router_rbac(svc)]
+def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, policy: OperatorPolicy,
+                     new: Pair | None = None) -> list[dict[str, Any]]:
+    """The current generation's children plus the role-wide ones. `new`: the current generation's
+    (prefill, decode) pods while a rollout is under way (rollout.py), else the full counts."""
+    new = new or (replicas.prefill, replicas.decode)
+    children: list[dict[str, Any]] = [engine_configmap(svc, generation), *router_rbac(svc)]
     children += [headless_service(svc, role) for role in names.WORKER_ROLES]
-    children += [router_service(svc), kv_network_policy(svc)]
-    children += [disruption_budget(svc, role) for role in names.ROLES]
-    children += [worker_deployment(svc, role, replicas.of(role)) for role in names.WORKER_ROLES]
+    children += [generation_prefill_service(svc, generation), router_service(svc), kv_network_policy(svc, policy)]
+    children += [disruption_budget(svc, role, replicas.of(role)) for role in names.ROLES]
+    children += [worker_deployment(svc, names.PREFILL, new[0], generation),
+                 worker_deployment(svc, names.DECODE, new[1], generation)]
     children.append(router_deployment(svc, replicas.router))
     order = {kind: pos for pos, kind in enumerate(CHILD_KINDS)}
     return sorted(children, key=lambda c: order[(c["apiVersion"], c["kind"])])
 
 
-def reconcile(cr: dict[str, Any]) -> list[dict[str, Any]]:
-    """The manifests the operator applies for this CR. Raises SpecError for an invalid spec."""
+def reconcile(cr: dict[str, Any], policy: OperatorPolicy | None = None) -> list[dict[str, Any]]:
+    """The manifests the operator applies for this CR, with no rollout under way. Raises
+    SpecError for an invalid spec or one the operator's policy forbids."""
+    policy = policy or OperatorPolicy()
     svc = parse_service(cr)
-    return desired_children(svc, desired_replicas(svc, cr.get("status")))
+    refused = policy_problems(svc, policy)
+    if refused:
+        raise SpecError(refused)
+    return desired_children(svc, desired_replicas(svc, cr.get("status")), generation_of(svc), policy)

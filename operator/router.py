@@ -8,12 +8,14 @@ from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.meta import child_meta
 from tandem.operator.pods import (
+    ROUTER_REQUESTS,
     deployment,
     downward_env,
     drain_command,
     http_probe,
     pod_spec,
     restricted_security_context,
+    with_requests,
 )
 from tandem.operator.spec import ServiceSpec
 
@@ -38,7 +40,7 @@ def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
         "command": router_command(svc),
         "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
         "env": downward_env(),
-        "resources": {key: dict(value) for key, value in spec.resources.items() if isinstance(value, dict)},
+        "resources": with_requests(spec.resources, ROUTER_REQUESTS),
         "livenessProbe": http_probe(names.HEALTH_PATH, 10, 3, 3),
         "readinessProbe": http_probe(names.READY_PATH, 5, 3, 2),
         "lifecycle": {"preStop": {"exec": {"command": drain_command(ROUTER_DRAIN_S)}}},

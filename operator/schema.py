@@ -133,6 +133,10 @@ def role_schema(role: str, *, worker: bool) -> Schema:
         props["drainTimeoutSeconds"] = integer(
             0, 3600, 120, "How long preStop waits for in-flight requests; the grace period adds 30 s.")
         props["startupTimeoutSeconds"] = integer(30, 7200, 900, "Model load budget before liveness applies.")
+        props["rollout"] = obj({
+            "maxSurge": int_or_string(desc="Overrides spec.rollout.maxSurge for this role."),
+            "maxUnavailable": int_or_string(desc="Overrides spec.rollout.maxUnavailable for this role."),
+        }, desc="Per-role rollout budget; unset fields come from spec.rollout.")
     else:
         props["tensorParallelSize"] = integer(1, 1, 1, "The router runs no model.")
         props["serviceType"] = string(enum=("ClusterIP", "NodePort", "LoadBalancer"), default="ClusterIP")

@@ -80,6 +80,16 @@ STATUS_SCHEMA: dict[str, Any] = {
             "x-kubernetes-list-map-keys": ["type"],
         },
         "slo": SLO_STATUS,
+        "rollout": {
+            "type": "object",
+            "properties": {
+                "generation": {**_STR, "description": "Model generation the spec asks for."},
+                "oldGenerations": {"type": "array", "items": {
+                    "type": "object",
+                    "properties": {"generation": _STR, "prefill": _INT, "decode": _INT},
+                }, "description": "Generations still draining, with their pods."},
+            },
+        },
         "autoscaler": {
             "type": "object",
             "properties": {

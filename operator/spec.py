@@ -55,8 +55,13 @@ class ServiceSpec:
     slo: SloSpec
     rollout: Rollout
 
+    role_rollouts: dict[str, Rollout]  # per worker role, spec.rollout with the role's overrides
+
     def role(self, role: str) -> RoleSpec:
         return {names.PREFILL: self.prefill, names.DECODE: self.decode, names.ROUTER: self.router}[role]
+
+    def rollout_of(self, role: str) -> Rollout:
+        return self.role_rollouts.get(role, self.rollout)
 
 
 def parse_service(cr: dict[str, Any]) -> ServiceSpec:
@@ -94,6 +99,10 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     engine_args = parse_engine_args(spec["engine"], errors)
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
+    role_rollouts = {
+        role: parse_rollout({**spec["rollout"], **(spec[role].get("rollout") or {})}, errors, f"spec.{role}.rollout")
+        for role in names.WORKER_ROLES
+    }
     if errors or model is None or autoscaling is None:
         raise SpecError(errors or ["spec is invalid"])
     return ServiceSpec(
@@ -113,4 +122,5 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
         autoscaling=autoscaling,
         slo=slo,
         rollout=rollout,
+        role_rollouts=role_rollouts,
     )

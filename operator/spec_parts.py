@@ -271,8 +271,18 @@ def parse_kv(raw: dict[str, Any], errors: list[str]) -> KvTransfer:
     return kv
 
 
-def parse_rollout(raw: dict[str, Any], errors: list[str]) -> Rollout:
-    rollout = Rollout(max_surge=raw["maxSurge"], max_unavailable=raw["maxUnavailable"])
+def _budget(value: Any, where: str, errors: list[str]) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_REPLICAS:
+        return value
+    if isinstance(value, str) and value.endswith("%") and value[:-1].isdigit() and int(value[:-1]) <= 100:
+        return value
+    errors.append(f"{where} must be a count or a percentage like '25%', got {value!r}")
+    return 1
+
+
+def parse_rollout(raw: dict[str, Any], errors: list[str], where: str = "spec.rollout") -> Rollout:
+    rollout = Rollout(max_surge=_budget(raw["maxSurge"], f"{where}.maxSurge", errors),
+                      max_unavailable=_budget(raw["maxUnavailable"], f"{where}.maxUnavailable", errors))
     if str(rollout.max_surge) in ("0", "0%") and str(rollout.max_unavailable) in ("0", "0%"):
-        errors.append("spec.rollout: maxSurge and maxUnavailable cannot both be 0")
+        errors.append(f"{where}: maxSurge and maxUnavailable cannot both be 0")
     return rollout

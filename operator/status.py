@@ -35,6 +35,45 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class RolloutView:
+    """What the rollout looks like from the cluster: the current generation, the old ones still
+    holding pods, the worker Deployments, and problems read off the pods (crash loops)."""
+
+    generation: str = ""
+    old: tuple[tuple[str, tuple[int, int]], ...] = ()
+    deployments: tuple[dict[str, Any], ...] = ()
+    pod_problems: tuple[str, ...] = ()
+
+
+# Waiting reasons that mean a pod will not come up by itself.
+STUCK_WAITING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
+                 "InvalidImageName", "CreateContainerError")
+
+
+def pod_problems(pods: list[dict[str, Any]]) -> tuple[str, ...]:
+    out = []
+    for pod in pods:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            reason = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+            if reason in STUCK_WAITING:
+                out.append(f"pod {pod['metadata']['name']}: {reason} ({cs.get('restartCount', 0)} restarts)")
+    return tuple(sorted(out))
+
+
+def _stuck(view: RolloutView, measured: Measured) -> tuple[str, str] | None:
+    """(reason, message) when the rollout cannot finish by itself, else None."""
+    for dep in view.deployments:
+        for cond in (dep.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+                return "ProgressDeadlineExceeded", f"Deployment {dep['metadata']['name']}: {cond.get('message', '')}"
+    if view.pod_problems:
+        return "PodsFailing", "; ".join(view.pod_problems[:5])
+    if measured.handshake_ok is False:
+        return "KVHandshakeFailed", "decode pods report no successful KV handshake with a prefill pod"
+    return None
+
+
+@dataclass(frozen=True)
 class ScalingReport:
     active: bool
     reason: str
@@ -89,18 +128,32 @@ def _progress(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleO
     return behind
 
 
-def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
-                     measured: Measured, scaling: ScalingReport) -> list[Condition]:
-    roles = {role: _role_condition(role, observed[role], desired.of(role)) for role in names.ROLES}
+def _progress_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
+                         measured: Measured, view: RolloutView) -> tuple[Condition, Condition]:
     behind = _progress(svc, desired, observed)
-    progressing = (Condition("Progressing", "True", "RollingOut", "; ".join(behind)) if behind
-                   else Condition("Progressing", "False", "Stable", "all roles are at their desired spec"))
-    short = [r for r in names.ROLES if observed[r].ready < desired.of(r)]
-    if not behind and short:
-        degraded = Condition("Degraded", "True", "ReplicasUnavailable",
-                             "fewer ready pods than desired: " + ", ".join(short))
+    stuck = _stuck(view, measured)
+    if stuck is not None:
+        reason, message = stuck
+        return Condition("Progressing", "False", reason, message), Condition("Degraded", "True", reason, message)
+    if view.old:
+        drain = ", ".join(f"{gen or 'unlabelled'} ({p} prefill, {d} decode)" for gen, (p, d) in view.old)
+        progressing = Condition("Progressing", "True", "RollingOutGeneration",
+                                f"generation {view.generation}: {'; '.join(behind) or 'up'}; draining {drain}")
+    elif behind:
+        progressing = Condition("Progressing", "True", "RollingOut", "; ".join(behind))
     else:
-        degraded = Condition("Degraded", "False", "AsExpected", "")
+        progressing = Condition("Progressing", "False", "Stable", "all roles are at their desired spec")
+    short = [r for r in names.ROLES if observed[r].ready < desired.of(r)]
+    if not behind and not view.old and short:
+        return progressing, Condition("Degraded", "True", "ReplicasUnavailable",
+                                      "fewer ready pods than desired: " + ", ".join(short))
+    return progressing, Condition("Degraded", "False", "AsExpected", "")
+
+
+def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
+                     measured: Measured, scaling: ScalingReport, view: RolloutView | None = None) -> list[Condition]:
+    roles = {role: _role_condition(role, observed[role], desired.of(role)) for role in names.ROLES}
+    progressing, degraded = _progress_conditions(svc, desired, observed, measured, view or RolloutView())
     return [
         roles[names.PREFILL], roles[names.DECODE], roles[names.ROUTER],
         _ready_condition(roles, measured), progressing, degraded,
@@ -125,8 +178,9 @@ def _slo_status(svc: ServiceSpec, measured: Measured, now: str) -> dict[str, Any
 
 def build_status(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
                  measured: Measured, scaling: ScalingReport, previous: dict[str, Any],
-                 now: str) -> dict[str, Any]:
-    conditions = build_conditions(svc, desired, observed, measured, scaling)
+                 now: str, view: RolloutView | None = None) -> dict[str, Any]:
+    view = view or RolloutView()
+    conditions = build_conditions(svc, desired, observed, measured, scaling, view)
     status: dict[str, Any] = {
         "url": names.service_url(svc.name, svc.namespace, svc.router.service_port),
         "observedGeneration": svc.generation,
@@ -141,6 +195,9 @@ def build_status(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, Ro
             "updatedReplicas": obs.updated,
             "selector": names.selector_string(names.selector_labels(svc.name, role)),
         }
+    if view.generation:
+        status["rollout"] = {"generation": view.generation, "oldGenerations": [
+            {"generation": gen, "prefill": p, "decode": d} for gen, (p, d) in view.old]}
     slo = _slo_status(svc, measured, now)
     if slo:
         status["slo"] = slo

@@ -1,7 +1,7 @@
 """One level-based pass over an InferenceService: the only code the kopf handlers call.
 
-  parse spec -> (timer: read metrics, autoscale) -> reconcile -> server-side apply
-  -> prune strays -> read Deployments -> status
+  parse spec -> policy -> (timer: read metrics, autoscale) -> rollout step -> reconcile
+  -> server-side apply -> scale and retire old generations -> prune strays -> status
 
 Errors: an invalid spec or a rejected manifest gives a Degraded status and
 kopf.PermanentError; conflicts, throttling and API outages give kopf.TemporaryError.
@@ -21,13 +21,24 @@ from typing import Any
 import httpx
 import kopf
 
+from tandem.operator import generations as gens
 from tandem.operator import names
 from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
+from tandem.operator.generation import generation_of
 from tandem.operator.kubeapi import ApiError, KubeApi
 from tandem.operator.meta import is_owned_by
+from tandem.operator.policy import OperatorPolicy, policy_problems
 from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
+from tandem.operator.rollout import GenCounts, Step, step
 from tandem.operator.spec import ServiceSpec, SpecError, parse_service
-from tandem.operator.status import ScalingReport, build_status, invalid_status, observe_deployment
+from tandem.operator.status import (
+    RolloutView,
+    ScalingReport,
+    build_status,
+    invalid_status,
+    observe_deployment,
+    pod_problems,
+)
 
 RETRY_DELAY_S = 10
 # The timer skips re-applying an unchanged set of children for this long; create, update
@@ -65,25 +76,55 @@ async def _apply_all(api: KubeApi, children: list[dict[str, Any]], memory: Servi
     memory.applied, memory.applied_at = fingerprint, now
 
 
-async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]]) -> list[str]:
-    """Delete children this CR owns that reconcile no longer wants (e.g. after an operator upgrade)."""
+async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
+                living: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """Delete children this CR owns that reconcile no longer wants (e.g. after an operator upgrade),
+    except those of an old generation still rolling out (`living`), which retire() removes."""
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
     removed = []
     for api_version, kind in CHILD_KINDS:
         for obj in await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name)):
             name = obj["metadata"]["name"]
+            if ((obj["metadata"].get("labels") or {}).get(names.LABEL_GENERATION) in living
+                    or (kind == "Deployment" and "" in living and _legacy(obj))):
+                continue
             if (kind, name) not in wanted and is_owned_by(obj, svc.uid):
                 await api.delete(api_version, kind, svc.namespace, name)
                 removed.append(f"{kind}/{name}")
     return removed
 
 
-async def _observe(api: KubeApi, svc: ServiceSpec) -> dict[str, Any]:
-    return {
-        role: observe_deployment(await api.get("apps/v1", "Deployment", svc.namespace,
-                                               names.role_name(svc.name, role)))
-        for role in names.ROLES
-    }
+def _legacy(obj: dict[str, Any]) -> bool:
+    return names.LABEL_GENERATION not in ((obj.get("metadata") or {}).get("labels") or {})
+
+
+async def _generations(api: KubeApi, svc: ServiceSpec) -> dict[str, gens.Generation]:
+    return gens.group(await gens.list_worker_deployments(api, svc.namespace, svc.name), svc.uid)
+
+
+def _rollout_step(svc: ServiceSpec, replicas: RoleReplicas, current: str,
+                  found: dict[str, gens.Generation]) -> Step:
+    new = found[current].counts() if current in found else GenCounts(current, (0, 0), (0, 0))
+    old = [g.counts() for g in gens.old_generations(found, current)]
+    return step((replicas.prefill, replicas.decode), new, old, svc.rollout_of(names.PREFILL),
+                svc.rollout_of(names.DECODE), svc.autoscaling.ratio_min, svc.autoscaling.ratio_max)
+
+
+async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[str, Any], RolloutView]:
+    found = await _generations(api, svc)
+    observed: dict[str, Any] = gens.observe_roles(found, current)
+    observed[names.ROUTER] = observe_deployment(await api.get(
+        "apps/v1", "Deployment", svc.namespace, names.role_name(svc.name, names.ROUTER)))
+    old = gens.old_generations(found, current)
+    try:
+        pods = await api.list("v1", "Pod", svc.namespace, names.selector_labels(svc.name))
+    except ApiError as exc:  # pods only add crash-loop detail to the status; never block on them
+        if exc.transient:
+            raise
+        pods = []
+    view = RolloutView(current, tuple((g.name, g.counts().replicas) for g in old),
+                       tuple(d for g in found.values() for d in g.deployments.values()), pod_problems(pods))
+    return observed, view
 
 
 async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memory: ServiceMemory,
@@ -97,12 +138,18 @@ async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memo
 
 
 async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory: ServiceMemory,
-               logger: Any, *, autoscale: bool, prune_strays: bool) -> SyncResult:
+               logger: Any, *, autoscale: bool, prune_strays: bool,
+               policy: OperatorPolicy = OperatorPolicy()) -> SyncResult:  # noqa: B008 (frozen)
     try:
         svc = parse_service(cr)
     except SpecError as exc:
         logger.warning(f"invalid spec: {exc}")
         return _failed(cr, "InvalidSpec", str(exc), kopf.PermanentError(f"invalid spec: {exc}"))
+    refused = policy_problems(svc, policy)
+    if refused:
+        message = "; ".join(refused)
+        logger.warning(f"spec refused by policy: {message}")
+        return _failed(cr, "Forbidden", message, kopf.PermanentError(f"refused: {message}"))
     status_in: dict[str, Any] = dict(cr.get("status") or {})
     auto_section: dict[str, Any] = {}
     report = memory.report or ScalingReport(False, "Pending", "waiting for the first metrics round")
@@ -118,21 +165,29 @@ async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory
             if auto_section:
                 status_in["autoscaler"] = auto_section
         replicas: RoleReplicas = desired_replicas(svc, status_in)
-        children = desired_children(svc, replicas)
-        await _apply_all(api, children, memory, force=not autoscale)
+        current = generation_of(svc)
+        found = await _generations(api, svc)
+        moved = _rollout_step(svc, replicas, current, found)
+        children = desired_children(svc, replicas, current, policy, new=moved.new)
+        await _apply_all(api, children, memory, force=not autoscale or not moved.done)
+        old = gens.old_generations(found, current)
+        await gens.scale_old(api, old, moved)
+        for removed in await gens.retire(api, svc.namespace, svc.name, old):
+            logger.info(f"retired {removed}")
         if prune_strays:
-            for removed in await prune(api, svc, children):
+            living = {g.name for g in old if not g.empty()}
+            for removed in await prune(api, svc, children, living):
                 logger.info(f"pruned {removed}")
-        observed = await _observe(api, svc)
+        observed, view = await _observe(api, svc, current)
         if not all(o.exists for o in observed.values()):  # someone deleted a Deployment: repair now
             await _apply_all(api, children, memory, force=True)
-            observed = await _observe(api, svc)
+            observed, view = await _observe(api, svc, current)
     except ApiError as exc:
         if exc.transient:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc
         return _failed(cr, "ApplyFailed", f"the API server rejected a child: {exc}",
                        kopf.PermanentError(f"apply failed: {exc}"))
-    status = build_status(svc, replicas, observed, memory.measured, report, status_in, _now())
+    status = build_status(svc, replicas, observed, memory.measured, report, status_in, _now(), view)
     if auto_section:
         status["autoscaler"] = auto_section
     elif not svc.autoscaling.enabled and "autoscaler" in status_in:

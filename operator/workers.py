@@ -12,8 +12,16 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.engine_config import CONFIG_HASH_ANNOTATION, config_hash, config_key
-from tandem.operator.pods import deployment, drain_command, http_probe, pod_spec, restricted_security_context
+from tandem.operator.engine_config import config_key
+from tandem.operator.pods import (
+    WORKER_REQUESTS,
+    deployment,
+    drain_command,
+    http_probe,
+    pod_spec,
+    restricted_security_context,
+    with_requests,
+)
 from tandem.operator.spec import ServiceSpec
 from tandem.operator.spec_parts import GPU, RoleSpec
 
@@ -32,7 +40,7 @@ def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
 
 def worker_resources(spec: RoleSpec) -> dict[str, Any]:
     """The role's resources, with tensorParallelSize GPUs unless the user set a GPU limit."""
-    resources = {key: dict(value) for key, value in spec.resources.items() if isinstance(value, dict)}
+    resources = with_requests(spec.resources, WORKER_REQUESTS)
     limits = resources.setdefault("limits", {})
     limits.setdefault(GPU, spec.tensor_parallel_size)
     requests = resources.get("requests")
@@ -55,7 +63,7 @@ def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:
             for name, port in contract.worker_ports(role, svc.kv.port_base)]
 
 
-def worker_volumes(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
+def worker_volumes(svc: ServiceSpec, role: str, generation: str) -> list[dict[str, Any]]:
     if svc.model.pvc_claim:
         claim = {"claimName": svc.model.pvc_claim, "readOnly": True}
         model: dict[str, Any] = {"persistentVolumeClaim": claim}
@@ -64,7 +72,7 @@ def worker_volumes(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
     return [
         {"name": "model", **model},
         {"name": "engine-config", "configMap": {
-            "name": names.engine_config_name(svc.name),
+            "name": names.engine_config_name(svc.name, generation),
             "items": [{"key": config_key(role), "path": names.ENGINE_CONFIG_FILE}],
         }},
         # NCCL and the KV transfer engine use shared memory; the container default is 64 MiB.
@@ -98,16 +106,17 @@ def worker_container(svc: ServiceSpec, spec: RoleSpec) -> dict[str, Any]:
     }
 
 
-def worker_deployment(svc: ServiceSpec, role: str, replicas: int) -> dict[str, Any]:
+def worker_deployment(svc: ServiceSpec, role: str, replicas: int, generation: str) -> dict[str, Any]:
+    """One generation's Deployment of a worker role (rollout.py steps the generations)."""
     spec = svc.role(role)
     pod = pod_spec(
-        svc, spec, [worker_container(svc, spec)], worker_volumes(svc, role),
+        svc, spec, [worker_container(svc, spec)], worker_volumes(svc, role, generation),
         grace_s=spec.drain_timeout_s + GRACE_MARGIN_S,
     )
     annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(svc, role),
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(names.HTTP_PORT),
         "prometheus.io/path": names.METRICS_PATH,
     }
-    return deployment(svc, spec, replicas, pod, annotations, progress_deadline_s=spec.startup_timeout_s + 300)
+    return deployment(svc, spec, replicas, pod, annotations, progress_deadline_s=spec.startup_timeout_s + 300,
+                      generation=generation)

@@ -17,9 +17,7 @@ from tandem import worker_contract as contract
 from tandem.engine.engine_config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).parent / "operator"))
-from operator_support import example_paths, load_example  # noqa: E402
-
-from tandem.operator.reconcile import reconcile  # noqa: E402
+from operator_support import by_kind, example_paths, load_example, render  # noqa: E402
 
 
 def test_argv_round_trip() -> None:
@@ -56,7 +54,7 @@ def test_kv_ports_from_env() -> None:
 
 
 def _children(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in reconcile(load_example(path))}
+    return by_kind(render(load_example(path)))
 
 
 @pytest.mark.parametrize("path", example_paths(), ids=lambda p: p.stem)

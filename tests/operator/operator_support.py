@@ -42,3 +42,28 @@ def kube_validate(manifest: dict[str, Any], version: str) -> None:
         path = ".".join(str(p) for p in exc.path)
         name = f"{manifest.get('kind')}/{manifest.get('metadata', {}).get('name')}"
         raise AssertionError(f"{name} invalid for Kubernetes {version} at {path}: {exc.message}") from None
+
+
+def render(cr: dict[str, Any]) -> list[dict[str, Any]]:
+    """reconcile() under a policy that allows host access, so every example renders (the
+    cpu-hostpath one mounts a hostPath); the policy itself is tested on its own."""
+    from tandem.operator.policy import OperatorPolicy
+    from tandem.operator.reconcile import reconcile
+
+    return reconcile(cr, OperatorPolicy(allow_host_access=True))
+
+
+def short_name(child: dict[str, Any]) -> str:
+    """A child's name without its model-generation suffix (Deployments and the engine ConfigMap
+    carry one), so tests can say `llama3-8b-prefill` whatever the generation hash is."""
+    from tandem.operator import names
+
+    meta = child["metadata"]
+    gen = (meta.get("labels") or {}).get(names.LABEL_GENERATION)
+    if gen and child["kind"] in ("Deployment", "ConfigMap") and meta["name"].endswith(f"-{gen}"):
+        return meta["name"][: -len(gen) - 1]
+    return meta["name"]
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(c["kind"], short_name(c)): c for c in children}

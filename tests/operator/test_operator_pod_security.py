@@ -7,9 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_support import EXAMPLES_DIR, load_example
-
-from tandem.operator.reconcile import reconcile
+from operator_support import EXAMPLES_DIR, load_example, render, short_name
 
 _ALLOWED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
                     "projected", "secret"}
@@ -51,7 +49,7 @@ def restricted_violations(pod: dict[str, Any]) -> list[str]:
 
 
 def _pods(cr: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [(o["metadata"]["name"], o["spec"]["template"]["spec"]) for o in reconcile(cr)
+    return [(short_name(o), o["spec"]["template"]["spec"]) for o in render(cr)
             if o["kind"] == "Deployment"]
 
 

@@ -1,4 +1,4 @@
-"""reconcile(cr): every child is a valid Kubernetes object, owned and labelled, and follows the worker
+"""render(cr): every child is a valid Kubernetes object, owned and labelled, and follows the worker
 contract."""
 
 from __future__ import annotations
@@ -8,15 +8,11 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_support import KUBE_VERSIONS, kube_validate
+from operator_support import KUBE_VERSIONS, by_kind, kube_validate, render
 
 from tandem.operator import names
 from tandem.operator.reconcile import desired_replicas, reconcile
 from tandem.operator.spec import SpecError, parse_service
-
-
-def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in children}
 
 
 def container(child: dict[str, Any]) -> dict[str, Any]:
@@ -25,15 +21,15 @@ def container(child: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_every_child_passes_strict_kubernetes_validation(example_cr: dict[str, Any], version: str) -> None:
-    children = reconcile(example_cr)
-    assert len(children) == 14
+    children = render(example_cr)
+    assert len(children) == 15
     for child in children:
         kube_validate(child, version)
 
 
 def test_children_are_owned_labelled_and_namespaced(example_cr: dict[str, Any]) -> None:
     meta = example_cr["metadata"]
-    for child in reconcile(example_cr):
+    for child in render(example_cr):
         cmeta = child["metadata"]
         assert cmeta["namespace"] == meta["namespace"]
         (owner,) = cmeta["ownerReferences"]
@@ -49,15 +45,15 @@ def test_children_are_owned_labelled_and_namespaced(example_cr: dict[str, Any]) 
 
 def test_reconcile_is_pure_and_idempotent(example_cr: dict[str, Any]) -> None:
     before = copy.deepcopy(example_cr)
-    first = reconcile(example_cr)
-    assert reconcile(example_cr) == first
+    first = render(example_cr)
+    assert render(example_cr) == first
     assert example_cr == before
     # Children survive a YAML round trip unchanged (what `render` prints is what gets applied).
     assert list(yaml.safe_load_all(yaml.safe_dump_all(first))) == first
 
 
 def test_worker_contract(minimal_cr: dict[str, Any]) -> None:
-    kids = by_kind(reconcile(minimal_cr))
+    kids = by_kind(render(minimal_cr))
     prefill = kids[("Deployment", "llama3-8b-prefill")]
     decode = kids[("Deployment", "llama3-8b-decode")]
     c = container(prefill)
@@ -84,7 +80,7 @@ def test_worker_contract(minimal_cr: dict[str, Any]) -> None:
 
 
 def test_router_contract_and_rbac(minimal_cr: dict[str, Any]) -> None:
-    kids = by_kind(reconcile(minimal_cr))
+    kids = by_kind(render(minimal_cr))
     router = kids[("Deployment", "llama3-8b-router")]
     c = container(router)
     assert c["command"] == [
@@ -112,20 +108,37 @@ def test_router_contract_and_rbac(minimal_cr: dict[str, Any]) -> None:
 
 
 def test_network_policy_keeps_bootstrap_and_kv_internal(minimal_cr: dict[str, Any]) -> None:
-    policy = by_kind(reconcile(minimal_cr))[("NetworkPolicy", "llama3-8b-internal-kv")]
-    internal, public = policy["spec"]["ingress"]
-    assert internal["from"] == [{"podSelector": {"matchLabels": names.selector_labels("llama3-8b")}}]
+    policy = by_kind(render(minimal_cr))[("NetworkPolicy", "llama3-8b-internal-kv")]
+    internal, http = policy["spec"]["ingress"]
+    workers = {"matchLabels": names.selector_labels("llama3-8b"), "matchExpressions": [
+        {"key": names.LABEL_COMPONENT, "operator": "In", "values": ["prefill", "decode"]}]}
+    # KV and bootstrap: prefill and decode pods of this service only (not its router, not others).
+    assert internal["from"] == [{"podSelector": workers}]
     assert {"protocol": "TCP", "port": 8998} in internal["ports"]
     assert {"protocol": "TCP", "port": 17000, "endPort": 17063} in internal["ports"]
-    assert "from" not in public and public["ports"] == [{"protocol": "TCP", "port": 8000}]
-    assert policy["spec"]["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    assert policy["spec"]["podSelector"] == workers
+    # HTTP: this service's router and workers; no namespace is named by default.
+    (source,) = http["from"]
+    assert source["podSelector"]["matchExpressions"][0]["values"] == ["prefill", "decode", "router"]
+    assert http["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_network_policy_opens_http_to_named_namespaces_only(minimal_cr: dict[str, Any]) -> None:
+    from tandem.operator.policy import OperatorPolicy
+
+    kids = by_kind(reconcile(minimal_cr, OperatorPolicy(http_from_namespaces=("tandem-system", "monitoring"))))
+    http = kids[("NetworkPolicy", "llama3-8b-internal-kv")]["spec"]["ingress"][1]
+    assert http["from"][1] == {"namespaceSelector": {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring", "tandem-system"]}]}}
+    for version in KUBE_VERSIONS:
+        kube_validate(kids[("NetworkPolicy", "llama3-8b-internal-kv")], version)
 
 
 def test_engine_args_go_to_the_configmap_in_sglang_names() -> None:
     from operator_support import EXAMPLES_DIR, load_example
 
     cr = load_example(EXAMPLES_DIR / "inferenceservice-rdma.yaml")
-    kids = by_kind(reconcile(cr))
+    kids = by_kind(render(cr))
     data = kids[("ConfigMap", "llama3-70b-engine")]["data"]
     prefill, decode = yaml.safe_load(data["prefill.yaml"]), yaml.safe_load(data["decode.yaml"])
     assert prefill["page_size"] == 64 and prefill["chunked_prefill_size"] == 16384
@@ -137,15 +150,30 @@ def test_engine_args_go_to_the_configmap_in_sglang_names() -> None:
     assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc" and env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
 
 
-def test_engine_change_rolls_pods_through_the_config_hash(minimal_cr: dict[str, Any]) -> None:
-    def hashes(cr: dict[str, Any]) -> list[str]:
-        deps = [c for c in reconcile(cr) if c["kind"] == "Deployment"][:2]
-        key = "tandem.dev/engine-config-hash"
-        return [d["spec"]["template"]["metadata"]["annotations"][key] for d in deps]
+def test_a_compatibility_change_starts_a_new_generation(minimal_cr: dict[str, Any]) -> None:
+    """Engine args, image or model give new generation-named Deployments, ConfigMap and prefill
+    Service (selecting on the label); a resources change keeps the generation."""
+    def generation(cr: dict[str, Any]) -> str:
+        kids = by_kind(render(cr))
+        prefill, decode = kids[("Deployment", "llama3-8b-prefill")], kids[("Deployment", "llama3-8b-decode")]
+        gen = prefill["metadata"]["labels"][names.LABEL_GENERATION]
+        for dep in (prefill, decode):
+            assert dep["spec"]["selector"]["matchLabels"][names.LABEL_GENERATION] == gen
+            assert dep["spec"]["template"]["metadata"]["labels"][names.LABEL_GENERATION] == gen
+        service = kids[("Service", f"llama3-8b-prefill-{gen}")]
+        assert service["spec"]["selector"][names.LABEL_GENERATION] == gen
+        peers = yaml.safe_load(kids[("ConfigMap", "llama3-8b-engine")]["data"]["decode.yaml"])["pd_prefill_peers"]
+        assert peers.startswith(f"llama3-8b-prefill-{gen}.default.svc")
+        return gen
 
-    changed = copy.deepcopy(minimal_cr)
-    changed["spec"]["engine"] = {"pageSize": 32}
-    assert all(a != b for a, b in zip(hashes(minimal_cr), hashes(changed), strict=True))
+    base = generation(minimal_cr)
+    for field, value in (("engine", {"pageSize": 32}), ("image", "other:1")):
+        changed = copy.deepcopy(minimal_cr)
+        changed["spec"][field] = value
+        assert generation(changed) != base
+    same = copy.deepcopy(minimal_cr)
+    same["spec"]["decode"] = {"resources": {"limits": {"memory": "64Gi"}}}
+    assert generation(same) == base
 
 
 def test_template_overrides_merge_by_name_and_keep_selector_labels(minimal_cr: dict[str, Any]) -> None:
@@ -157,7 +185,7 @@ def test_template_overrides_merge_by_name_and_keep_selector_labels(minimal_cr: d
             {"name": "sidecar", "image": "busybox"},
         ]},
     }}
-    dep = by_kind(reconcile(cr))[("Deployment", "llama3-8b-decode")]
+    dep = by_kind(render(cr))[("Deployment", "llama3-8b-decode")]
     pod = dep["spec"]["template"]
     assert pod["metadata"]["labels"][names.LABEL_COMPONENT] == "decode"
     assert pod["metadata"]["labels"]["team"] == "a"
@@ -174,7 +202,7 @@ def test_template_overrides_merge_by_name_and_keep_selector_labels(minimal_cr: d
 def test_cpu_example_keeps_zero_gpus_and_host_path() -> None:
     from operator_support import EXAMPLES_DIR, load_example
 
-    kids = by_kind(reconcile(load_example(EXAMPLES_DIR / "inferenceservice-cpu-hostpath.yaml")))
+    kids = by_kind(render(load_example(EXAMPLES_DIR / "inferenceservice-cpu-hostpath.yaml")))
     dep = kids[("Deployment", "tiny-dev-prefill")]
     assert container(dep)["resources"]["limits"]["nvidia.com/gpu"] == 0
     model = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "model")
@@ -204,7 +232,7 @@ def test_invalid_specs_raise_clear_spec_errors(case: str, minimal_cr: dict[str, 
     cr = copy.deepcopy(minimal_cr)
     cr["spec"].update(copy.deepcopy(patch))
     with pytest.raises(SpecError, match=fragment):
-        reconcile(cr)
+        render(cr)
 
 
 def test_bad_name_and_missing_image_are_reported_together(minimal_cr: dict[str, Any]) -> None:
@@ -212,7 +240,7 @@ def test_bad_name_and_missing_image_are_reported_together(minimal_cr: dict[str, 
     cr["metadata"]["name"] = "Bad_Name"
     del cr["spec"]["image"]
     with pytest.raises(SpecError) as err:
-        reconcile(cr)
+        render(cr)
     assert len(err.value.problems) == 2
 
 
@@ -232,7 +260,7 @@ def test_autoscaled_replicas_come_from_status_until_spec_changes(autoscaling_cr:
                                "decode": {"replicas": 1, "specReplicas": 2}}}
     got = desired_replicas(svc, lopsided)
     assert 0.5 <= got.prefill / got.decode <= 2.0
-    dep = by_kind(reconcile({**autoscaling_cr, "status": status}))[("Deployment", "qwen-chat-prefill")]
+    dep = by_kind(render({**autoscaling_cr, "status": status}))[("Deployment", "qwen-chat-prefill")]
     assert dep["spec"]["replicas"] == 5
 
 
@@ -240,5 +268,5 @@ def test_without_autoscaling_spec_replicas_are_literal(minimal_cr: dict[str, Any
     cr = copy.deepcopy(minimal_cr)
     cr["spec"]["decode"] = {"replicas": 3}
     cr["status"] = {"autoscaler": {"decode": {"replicas": 9, "specReplicas": 3}}}
-    dep = by_kind(reconcile(cr))[("Deployment", "llama3-8b-decode")]
+    dep = by_kind(render(cr))[("Deployment", "llama3-8b-decode")]
     assert dep["spec"]["replicas"] == 3

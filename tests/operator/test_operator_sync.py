@@ -16,6 +16,7 @@ import pytest
 
 from tandem.operator.autoscaler import ServiceMemory
 from tandem.operator.kubeapi import ApiError, KubeApi, resource_path
+from tandem.operator.policy import OperatorPolicy
 from tandem.operator.sync import sync
 
 LOG = logging.getLogger("test")
@@ -36,11 +37,19 @@ class FakeApiServer:
         for fragment, (code, reason) in self.fail.items():
             if fragment in f"{request.method} {path}":
                 return httpx.Response(code, json={"kind": "Status", "reason": reason, "message": "injected"})
+        if request.method == "PATCH" and request.headers["content-type"] == "application/merge-patch+json":
+            if path not in self.objects:
+                return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
+            self.objects[path] = _merge(self.objects[path], json.loads(request.content))
+            return httpx.Response(200, json=self.objects[path])
         if request.method == "PATCH":
             assert request.headers["content-type"] == "application/apply-patch+yaml"
             assert request.url.params["fieldManager"] == "tandem-operator"
             assert request.url.params["force"] == "true"
-            self.objects[path] = json.loads(request.content)
+            applied = json.loads(request.content)
+            if "status" in self.objects.get(path, {}):  # apply to the main resource never touches status
+                applied["status"] = self.objects[path]["status"]
+            self.objects[path] = applied
             return httpx.Response(200, json=self.objects[path])
         if request.method == "GET" and path in self.objects:
             return httpx.Response(200, json=self.objects[path])
@@ -53,12 +62,25 @@ class FakeApiServer:
         return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
 
 
+def _merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge(base.get(key), value)
+    return out
+
+
 def run_sync(server: FakeApiServer, cr: dict[str, Any], **kwargs: Any) -> Any:
     async def go() -> Any:
         async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(server)) as client:
             return await sync(cr, KubeApi(client), client, ServiceMemory(), LOG,
                               autoscale=kwargs.get("autoscale", False),
-                              prune_strays=kwargs.get("prune", True))
+                              prune_strays=kwargs.get("prune", True),
+                              policy=kwargs.get("policy", OperatorPolicy()))
 
     return asyncio.run(go())
 
@@ -68,8 +90,8 @@ def test_sync_applies_every_child_and_reports_status(minimal_cr: dict[str, Any])
     result = run_sync(server, minimal_cr)
     assert result.error is None
     patches = [p for m, p in server.calls if m == "PATCH"]
-    assert len(patches) == 14 and patches[0].endswith("/configmaps/llama3-8b-engine")
-    assert "/apis/apps/v1/namespaces/default/deployments/llama3-8b-decode" in patches
+    assert len(patches) == 15 and "/configmaps/llama3-8b-engine-" in patches[0]
+    assert any(p.startswith("/apis/apps/v1/namespaces/default/deployments/llama3-8b-decode-") for p in patches)
     assert result.status["conditions"][0]["type"] == "PrefillReady"
     assert result.status["decode"]["desiredReplicas"] == 1
 
@@ -79,7 +101,7 @@ def test_sync_twice_is_a_no_op_for_the_objects(minimal_cr: dict[str, Any]) -> No
     run_sync(server, minimal_cr)
     snapshot = copy.deepcopy(server.objects)
     run_sync(server, minimal_cr)
-    assert server.objects == snapshot and len(snapshot) == 14
+    assert server.objects == snapshot and len(snapshot) == 15
 
 
 def test_invalid_spec_gives_degraded_and_permanent_error(minimal_cr: dict[str, Any]) -> None:

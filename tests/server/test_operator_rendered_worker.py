@@ -14,15 +14,13 @@ from worker_process import Worker, free_port
 from tandem import worker_contract as contract
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-from operator_support import example_paths, load_example  # noqa: E402
-
-from tandem.operator.reconcile import reconcile  # noqa: E402
+from operator_support import by_kind, example_paths, load_example, render  # noqa: E402
 
 
 def _rendered() -> dict[str, tuple[list[str], dict[str, str], str]]:
     """role -> (command, env, engine YAML) of the first example whose roles all run tp_size 1."""
     for path in example_paths():
-        kids = {(c["kind"], c["metadata"]["name"]): c for c in reconcile(load_example(path))}
+        kids = by_kind(render(load_example(path)))
         configmap = next(c for (kind, _), c in kids.items() if kind == "ConfigMap")
         pods = {}
         for role in (contract.PREFILL, contract.DECODE):
