@@ -67,8 +67,9 @@ def measured_from(metrics: dict[str, RoleMetrics]) -> Measured:
                     handshake_ok=decode.handshake_ok)
 
 
-def _starting_state(svc: ServiceSpec, status: dict[str, Any], state: ScalerState | None) -> ScalerState:
-    base = desired_replicas(svc, status)
+def _starting_state(svc: ServiceSpec, status: dict[str, Any], state: ScalerState | None,
+                    external: dict[str, int] | None) -> ScalerState:
+    base = desired_replicas(svc, status, external)
     if state is not None and (state.prefill.replicas, state.decode.replicas) == (base.prefill, base.decode):
         return state
     # After a restart or a spec edit: start from the persisted counts and cooldown clocks, no history.
@@ -96,17 +97,27 @@ def _role_status(svc: ServiceSpec, decision_state: ScalerState, role: str,
     return out
 
 
+def _observation(svc: ServiceSpec, metrics: dict[str, RoleMetrics]) -> Observation:
+    """Signals per role; a role an external autoscaler drives gets none, so the built-in holds it."""
+    auto = svc.autoscaling
+    got = {role: RoleMetrics() if role in auto.external else metrics.get(role, RoleMetrics())
+           for role in names.WORKER_ROLES}
+    return Observation(
+        prefill=signal_value(auto.prefill.signal, got[names.PREFILL]),
+        decode=signal_value(auto.decode.signal, got[names.DECODE]),
+        prefill_pending=got[names.PREFILL].pending, decode_pending=got[names.DECODE].pending,
+    )
+
+
 def plan(svc: ServiceSpec, status: dict[str, Any], metrics: dict[str, RoleMetrics],
-         state: ScalerState | None, now: float, last_decision: str = "") -> Plan:
+         state: ScalerState | None, now: float, last_decision: str = "",
+         external: dict[str, int] | None = None) -> Plan:
     measured = measured_from(metrics)
     if not svc.autoscaling.enabled:
         return Plan(None, {}, ScalingReport(False, "Disabled", "spec.autoscaling.enabled is false"), measured)
-    start = _starting_state(svc, status, state)
+    start = _starting_state(svc, status, state, external)
     auto = svc.autoscaling
-    obs = Observation(
-        prefill=signal_value(auto.prefill.signal, metrics.get(names.PREFILL, RoleMetrics())),
-        decode=signal_value(auto.decode.signal, metrics.get(names.DECODE, RoleMetrics())),
-    )
+    obs = _observation(svc, metrics)
     decision: Decision = decide(Policy.from_spec(svc), start, obs, now)
     text = "; ".join(decision.reasons) or last_decision
     section = {
@@ -116,7 +127,7 @@ def plan(svc: ServiceSpec, status: dict[str, Any], metrics: dict[str, RoleMetric
     }
     if text:
         section["lastDecision"] = text
-    if obs.prefill is None and obs.decode is None:
+    if obs.prefill is None and obs.decode is None and not (obs.prefill_pending or obs.decode_pending):
         report = ScalingReport(False, "MetricsUnavailable",
                                f"no {auto.source} metrics from ready worker pods; holding replica counts")
     else:

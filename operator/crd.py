@@ -69,3 +69,10 @@ def build_crd() -> dict[str, Any]:
 def spec_schema() -> dict[str, Any]:
     """The openAPIV3Schema, for validating CRs offline with jsonschema."""
     return copy.deepcopy(ROOT_SCHEMA)
+
+
+def build_crds() -> list[dict[str, Any]]:
+    """Every CRD the operator serves: InferenceService, and RoleScaler (a /scale per worker role)."""
+    from tandem.operator.role_scaler import build_crd as role_scaler_crd
+
+    return [build_crd(), role_scaler_crd()]

@@ -26,10 +26,12 @@ SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 PLURALS = {
     "ConfigMap": "configmaps",
     "Deployment": "deployments",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "NetworkPolicy": "networkpolicies",
     "Pod": "pods",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "Role": "roles",
+    "RoleScaler": "rolescalers",
     "RoleBinding": "rolebindings",
     "Service": "services",
     "ServiceAccount": "serviceaccounts",

@@ -22,6 +22,7 @@ from tandem.operator.network import (
 )
 from tandem.operator.policy import OperatorPolicy, policy_problems
 from tandem.operator.ratio import Pair, nearest_feasible
+from tandem.operator.role_scaler import role_scaler
 from tandem.operator.router import router_deployment, router_rbac, router_service
 from tandem.operator.scaling import clamp
 from tandem.operator.spec import ServiceSpec, SpecError, parse_service
@@ -36,6 +37,7 @@ CHILD_KINDS = (
     ("v1", "Service"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("policy/v1", "PodDisruptionBudget"),
+    (names.API_VERSION, "RoleScaler"),
     ("apps/v1", "Deployment"),
 )
 
@@ -60,16 +62,32 @@ def _autoscaled(svc: ServiceSpec, status: dict[str, Any], role: str) -> int:
     return clamp(count, spec.min_replicas, spec.max_replicas)
 
 
-def desired_replicas(svc: ServiceSpec, status: dict[str, Any] | None) -> RoleReplicas:
-    if not svc.autoscaling.enabled:
-        return RoleReplicas(svc.prefill.replicas, svc.decode.replicas, svc.router.replicas)
-    status = status or {}
-    p, d = _autoscaled(svc, status, names.PREFILL), _autoscaled(svc, status, names.DECODE)
+def _count(svc: ServiceSpec, status: dict[str, Any], external: dict[str, int], role: str) -> int:
+    spec = svc.role(role)
+    if role in svc.autoscaling.external:
+        return clamp(external.get(role, spec.replicas), spec.min_replicas, spec.max_replicas)
+    return _autoscaled(svc, status, role) if svc.autoscaling.enabled else spec.replicas
+
+
+def desired_replicas(svc: ServiceSpec, status: dict[str, Any] | None,
+                     external: dict[str, int] | None = None) -> RoleReplicas:
+    """Per role: the RoleScaler's count for a role listed in autoscaling.external, the built-in
+    autoscaler's for the others when it is on, else spec.replicas; then the P:D ratio, moving
+    the roles the operator drives before an externally driven one."""
     auto = svc.autoscaling
-    pair = nearest_feasible(
-        p, d, (svc.prefill.min_replicas, svc.prefill.max_replicas),
-        (svc.decode.min_replicas, svc.decode.max_replicas), auto.ratio_min, auto.ratio_max)
-    p, d = pair if pair is not None else (p, d)
+    if not auto.enabled and not auto.external:
+        return RoleReplicas(svc.prefill.replicas, svc.decode.replicas, svc.router.replicas)
+    p, d = (_count(svc, status or {}, external or {}, role) for role in names.WORKER_ROLES)
+
+    def span(role: str, count: int, pin: bool) -> tuple[int, int]:
+        spec = svc.role(role)
+        return (count, count) if pin and role in auto.external else (spec.min_replicas, spec.max_replicas)
+
+    for pin in (True, False):
+        pair = nearest_feasible(p, d, span(names.PREFILL, p, pin), span(names.DECODE, d, pin),
+                                auto.ratio_min, auto.ratio_max)
+        if pair is not None:
+            return RoleReplicas(pair[0], pair[1], svc.router.replicas)
     return RoleReplicas(p, d, svc.router.replicas)
 
 
@@ -82,6 +100,7 @@ def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, 
     children += [headless_service(svc, role) for role in names.WORKER_ROLES]
     children += [generation_prefill_service(svc, generation), router_service(svc), kv_network_policy(svc, policy)]
     children += [disruption_budget(svc, role, replicas.of(role)) for role in names.ROLES]
+    children += [role_scaler(svc, role) for role in names.WORKER_ROLES]
     children += [worker_deployment(svc, names.PREFILL, new[0], generation),
                  worker_deployment(svc, names.DECODE, new[1], generation)]
     children.append(router_deployment(svc, replicas.router))

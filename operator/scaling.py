@@ -80,6 +80,9 @@ class Observation:
 
     prefill: float | None
     decode: float | None
+    # Requests the router holds because the role has no ready pod (scale from zero).
+    prefill_pending: float = 0.0
+    decode_pending: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,12 @@ def _prune(history: History, now: float, keep_s: float) -> History:
 
 
 def _propose(policy: RolePolicy, state: RoleState, value: float | None, now: float,
-             pol: Policy) -> tuple[int, RoleState]:
+             pol: Policy, pending: float = 0.0) -> tuple[int, RoleState]:
     current = clamp(state.replicas, policy.min_replicas, policy.max_replicas)
+    if current == 0:
+        # From zero no signal exists (no pods); demand is the router's held requests. Waking
+        # skips the windows and cooldowns: each second there is a client waiting.
+        return (min(1, policy.max_replicas) if pending > 0 else 0), replace(state, replicas=0)
     raw = recommend(current, value, policy, pol.tolerance)
     keep = max(pol.up.stabilization_s, pol.down.stabilization_s)
     history = _prune(state.history + ((now, raw),), now, keep)
@@ -178,13 +185,15 @@ def _moved(state: RoleState, new: int, now: float) -> RoleState:
 
 def _reason(role: str, old: int, new: int, wanted: int, value: float | None, policy: RolePolicy) -> str:
     why = "no metrics" if value is None else f"{policy.signal} {value:.3g} vs target {policy.target:g}"
+    if old == 0 and new > 0:
+        why = "requests waiting at the router (scale from zero)"
     via = "" if new == wanted else f" (ratio moved it from {wanted})"
     return f"{role} {old}->{new}: {why}{via}"
 
 
 def decide(pol: Policy, state: ScalerState, obs: Observation, now: float) -> Decision:
-    want_p, pre = _propose(pol.prefill, state.prefill, obs.prefill, now, pol)
-    want_d, dec = _propose(pol.decode, state.decode, obs.decode, now, pol)
+    want_p, pre = _propose(pol.prefill, state.prefill, obs.prefill, now, pol, obs.prefill_pending)
+    want_d, dec = _propose(pol.decode, state.decode, obs.decode, now, pol, obs.decode_pending)
     new_p, new_d = project_ratio(want_p, want_d, pre.replicas, dec.replicas, pol)
     reasons = tuple(
         _reason(role, old.replicas, new, wanted, value, rp)

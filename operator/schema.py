@@ -236,6 +236,10 @@ AUTOSCALING = obj(
             "min": number(0.01, 100, 0.25, exclusive_min=False, desc="Lowest prefill:decode pod ratio."),
             "max": number(0.01, 100, 4.0, desc="Highest prefill:decode pod ratio."),
         }, default={}, rules=(("self.min <= self.max", "autoscaling.ratio.min must not exceed ratio.max"),)),
+        "external": {"type": "array", "items": {"type": "string", "enum": ["prefill", "decode"]},
+                     "x-kubernetes-list-type": "set", "description":
+                     "Roles an external autoscaler (HPA, KEDA) drives through their RoleScaler's /scale; "
+                     "the built-in autoscaler leaves them alone, and the P:D ratio still holds."},
         "scaleUp": step_rules(30, 60, 2),
         "scaleDown": step_rules(300, 180, 1),
     },

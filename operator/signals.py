@@ -41,6 +41,7 @@ class RoleMetrics:
     ttft_p95_s: float | None = None
     itl_p95_s: float | None = None
     handshake_ok: bool | None = None
+    pending: float = 0.0  # requests the routers hold for this role (no ready pod): scale from zero
 
 
 def _one(samples: list[promtext.Sample], name: str) -> float | None:

@@ -10,6 +10,8 @@ Model, per second (both roles are slot-limited servers, as continuous batching i
   TTFT p95        base + prefill_seconds + Q / prefill rate + W / decode admission rate
   KV utilisation  A / (ready_decode * slots);  ITL p95 = itl_base * (1 + 1.5 * util)
 New pods turn ready `startup_s` after the decision; removed pods leave at once.
+A role with no ready pod reports no signal; the requests it holds up are its `pending`
+demand, as the router exports it (scale from zero).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Tick:
     itl_p95_s: float
     queue_per_pod: float
     kv_utilization: float
+    completed: float = 0.0  # requests finished so far
 
 
 @dataclass
@@ -80,7 +83,7 @@ def simulate(policy: Policy, rate: Callable[[float], float], duration_s: float, 
     pools = (_Pool(), _Pool())
     pools[0].resize(start[0], -model.startup_s, model.startup_s)
     pools[1].resize(start[1], -model.startup_s, model.startup_s)
-    queue = running = waiting = active = 0.0
+    queue = running = waiting = active = completed = 0.0
     ticks: list[Tick] = []
     t = 0.0
     while t < duration_s:
@@ -92,7 +95,9 @@ def simulate(policy: Policy, rate: Callable[[float], float], duration_s: float, 
         started = min(queue, max(0.0, ready_p * model.prefill_slots_per_pod - running))
         running, queue = running + started, queue - started
         waiting += done
-        active -= active / model.decode_seconds_per_request
+        finished = active / model.decode_seconds_per_request
+        active -= finished
+        completed += finished
         admit = min(waiting, max(0.0, ready_d * model.decode_slots_per_pod - active))
         active, waiting = active + admit, waiting - admit
         ttft = model.base_ttft_s + model.prefill_seconds_per_request + _wait(
@@ -106,14 +111,16 @@ def simulate(policy: Policy, rate: Callable[[float], float], duration_s: float, 
                 return x * (1 + model.noise * (2 * rng.random() - 1))
 
             obs = Observation(
-                prefill=noisy(_signal(policy.prefill.signal, per_pod, util, ttft, itl)),
-                decode=noisy(_signal(policy.decode.signal, per_pod, util, ttft, itl)),
+                prefill=noisy(_signal(policy.prefill.signal, per_pod, util, ttft, itl)) if ready_p else None,
+                decode=noisy(_signal(policy.decode.signal, per_pod, util, ttft, itl)) if ready_d else None,
+                prefill_pending=0.0 if ready_p else queue + running,
+                decode_pending=0.0 if ready_d else queue + running + waiting,
             )
             state = decide(policy, state, obs, t).state
             pools[0].resize(state.prefill.replicas, t, model.startup_s)
             pools[1].resize(state.decode.replicas, t, model.startup_s)
         ticks.append(Tick(t, arrivals, state.prefill.replicas, state.decode.replicas, ready_p, ready_d,
-                          ttft, itl, per_pod, util))
+                          ttft, itl, per_pod, util, completed))
         t += 1.0
     return ticks
 

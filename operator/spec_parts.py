@@ -104,6 +104,7 @@ class AutoscalingSpec:
     ratio_max: float
     up: StepRule
     down: StepRule
+    external: tuple[str, ...] = ()  # roles HPA/KEDA drive through their RoleScaler
 
 
 @dataclass(frozen=True)
@@ -213,16 +214,14 @@ def parse_autoscaling(raw: dict[str, Any], slo: SloSpec, prefill: RoleSpec, deco
         ratio_max=_num(ratio["max"], "spec.autoscaling.ratio.max", errors),
         up=_steps(raw["scaleUp"]),
         down=_steps(raw["scaleDown"]),
+        external=_roles(raw.get("external") or [], errors),
     )
     if spec.source == "prometheus" and not spec.prometheus_url:
         errors.append("spec.autoscaling.metricsSource.prometheusUrl is required for type prometheus")
-    if not spec.enabled:
+    if not spec.enabled and not spec.external:
         return spec
     if spec.ratio_min > spec.ratio_max:
         errors.append("spec.autoscaling.ratio.min exceeds ratio.max")
-    for role in (prefill, decode):
-        if role.min_replicas < 1:
-            errors.append(f"spec.{role.role}.minReplicas must be >= 1 when autoscaling is enabled")
     if not errors and not ratio_feasible((prefill.min_replicas, prefill.max_replicas),
                                          (decode.min_replicas, decode.max_replicas), spec.ratio_min, spec.ratio_max):
         errors.append(
@@ -230,6 +229,13 @@ def parse_autoscaling(raw: dict[str, Any], slo: SloSpec, prefill: RoleSpec, deco
             f"[{spec.ratio_min}, {spec.ratio_max}]"
         )
     return spec
+
+
+def _roles(raw: Any, errors: list[str]) -> tuple[str, ...]:
+    if not isinstance(raw, list) or any(r not in names.WORKER_ROLES for r in raw):
+        errors.append(f"spec.autoscaling.external must list roles among {list(names.WORKER_ROLES)}, got {raw!r}")
+        return ()
+    return tuple(dict.fromkeys(raw))
 
 
 def parse_slo(raw: dict[str, Any], errors: list[str]) -> SloSpec:

@@ -35,14 +35,16 @@ class Measured:
 
 
 @dataclass(frozen=True)
-class RolloutView:
-    """What the rollout looks like from the cluster: the current generation, the old ones still
-    holding pods, the worker Deployments, and problems read off the pods (crash loops)."""
+class ClusterView:
+    """What sync saw beyond the role counts: the current generation, the old ones still holding
+    pods, the worker Deployments, problems read off the pods (crash loops), and autoscalers
+    that would fight the operator (role_scaler.hpa_conflicts)."""
 
     generation: str = ""
     old: tuple[tuple[str, tuple[int, int]], ...] = ()
     deployments: tuple[dict[str, Any], ...] = ()
     pod_problems: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()
 
 
 # Waiting reasons that mean a pod will not come up by itself.
@@ -60,7 +62,7 @@ def pod_problems(pods: list[dict[str, Any]]) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def _stuck(view: RolloutView, measured: Measured) -> tuple[str, str] | None:
+def _stuck(view: ClusterView, measured: Measured) -> tuple[str, str] | None:
     """(reason, message) when the rollout cannot finish by itself, else None."""
     for dep in view.deployments:
         for cond in (dep.get("status") or {}).get("conditions") or []:
@@ -129,9 +131,14 @@ def _progress(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleO
 
 
 def _progress_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
-                         measured: Measured, view: RolloutView) -> tuple[Condition, Condition]:
+                         measured: Measured, view: ClusterView) -> tuple[Condition, Condition]:
     behind = _progress(svc, desired, observed)
     stuck = _stuck(view, measured)
+    if view.conflicts:
+        degraded = Condition("Degraded", "True", "ConflictingAutoscalers", "; ".join(view.conflicts))
+        progressing = Condition("Progressing", "True" if behind else "False",
+                                "RollingOut" if behind else "Stable", "; ".join(behind))
+        return progressing, degraded
     if stuck is not None:
         reason, message = stuck
         return Condition("Progressing", "False", reason, message), Condition("Degraded", "True", reason, message)
@@ -151,9 +158,9 @@ def _progress_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict
 
 
 def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
-                     measured: Measured, scaling: ScalingReport, view: RolloutView | None = None) -> list[Condition]:
+                     measured: Measured, scaling: ScalingReport, view: ClusterView | None = None) -> list[Condition]:
     roles = {role: _role_condition(role, observed[role], desired.of(role)) for role in names.ROLES}
-    progressing, degraded = _progress_conditions(svc, desired, observed, measured, view or RolloutView())
+    progressing, degraded = _progress_conditions(svc, desired, observed, measured, view or ClusterView())
     return [
         roles[names.PREFILL], roles[names.DECODE], roles[names.ROUTER],
         _ready_condition(roles, measured), progressing, degraded,
@@ -178,8 +185,8 @@ def _slo_status(svc: ServiceSpec, measured: Measured, now: str) -> dict[str, Any
 
 def build_status(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
                  measured: Measured, scaling: ScalingReport, previous: dict[str, Any],
-                 now: str, view: RolloutView | None = None) -> dict[str, Any]:
-    view = view or RolloutView()
+                 now: str, view: ClusterView | None = None) -> dict[str, Any]:
+    view = view or ClusterView()
     conditions = build_conditions(svc, desired, observed, measured, scaling, view)
     status: dict[str, Any] = {
         "url": names.service_url(svc.name, svc.namespace, svc.router.service_port),

@@ -15,14 +15,14 @@ import datetime
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import kopf
 
 from tandem.operator import generations as gens
-from tandem.operator import names
+from tandem.operator import names, role_scaler
 from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
 from tandem.operator.generation import generation_of
 from tandem.operator.kubeapi import ApiError, KubeApi
@@ -32,7 +32,7 @@ from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_childre
 from tandem.operator.rollout import GenCounts, Step, step
 from tandem.operator.spec import ServiceSpec, SpecError, parse_service
 from tandem.operator.status import (
-    RolloutView,
+    ClusterView,
     ScalingReport,
     build_status,
     invalid_status,
@@ -94,6 +94,15 @@ async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
     return removed
 
 
+async def _hpas(api: KubeApi, svc: ServiceSpec) -> list[dict[str, Any]]:
+    try:
+        return await api.list("autoscaling/v2", "HorizontalPodAutoscaler", svc.namespace, {})
+    except ApiError as exc:  # an older chart without the RBAC: no conflict detection, no failure
+        if exc.transient:
+            raise
+        return []
+
+
 def _legacy(obj: dict[str, Any]) -> bool:
     return names.LABEL_GENERATION not in ((obj.get("metadata") or {}).get("labels") or {})
 
@@ -110,7 +119,7 @@ def _rollout_step(svc: ServiceSpec, replicas: RoleReplicas, current: str,
                 svc.rollout_of(names.DECODE), svc.autoscaling.ratio_min, svc.autoscaling.ratio_max)
 
 
-async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[str, Any], RolloutView]:
+async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[str, Any], ClusterView]:
     found = await _generations(api, svc)
     observed: dict[str, Any] = gens.observe_roles(found, current)
     observed[names.ROUTER] = observe_deployment(await api.get(
@@ -122,7 +131,7 @@ async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[s
         if exc.transient:
             raise
         pods = []
-    view = RolloutView(current, tuple((g.name, g.counts().replicas) for g in old),
+    view = ClusterView(current, tuple((g.name, g.counts().replicas) for g in old),
                        tuple(d for g in found.values() for d in g.deployments.values()), pod_problems(pods))
     return observed, view
 
@@ -156,15 +165,17 @@ async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory
     if not svc.autoscaling.enabled:
         report = ScalingReport(False, "Disabled", "spec.autoscaling.enabled is false")
     try:
+        scalers = await role_scaler.read_scalers(api, svc)
+        external = {r: n for r in svc.autoscaling.external if (n := role_scaler.wanted(scalers[r])) is not None}
         if autoscale:
             result = plan(svc, status_in, await _metrics(api, http, svc, memory, logger), memory.scaler,
-                          time.time(), memory.last_decision)
+                          time.time(), memory.last_decision, external)
             memory.scaler, memory.measured, memory.report = result.state, result.measured, result.report
             report, auto_section = result.report, result.status
             memory.last_decision = auto_section.get("lastDecision", memory.last_decision)
             if auto_section:
                 status_in["autoscaler"] = auto_section
-        replicas: RoleReplicas = desired_replicas(svc, status_in)
+        replicas: RoleReplicas = desired_replicas(svc, status_in, external)
         current = generation_of(svc)
         found = await _generations(api, svc)
         moved = _rollout_step(svc, replicas, current, found)
@@ -182,6 +193,9 @@ async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory
         if not all(o.exists for o in observed.values()):  # someone deleted a Deployment: repair now
             await _apply_all(api, children, memory, force=True)
             observed, view = await _observe(api, svc, current)
+        await role_scaler.write_scalers(api, svc, scalers, {names.PREFILL: replicas.prefill,
+                                                            names.DECODE: replicas.decode}, observed)
+        view = replace(view, conflicts=tuple(role_scaler.hpa_conflicts(svc, await _hpas(api, svc))))
     except ApiError as exc:
         if exc.transient:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc

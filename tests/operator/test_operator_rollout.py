@@ -146,7 +146,7 @@ def test_crash_looping_pods_make_it_degraded(minimal_cr: dict[str, Any]) -> None
 
 
 def test_a_failed_kv_handshake_is_degraded() -> None:
-    from tandem.operator.status import Measured, RolloutView, _stuck
+    from tandem.operator.status import Measured, ClusterView, _stuck
 
-    assert _stuck(RolloutView(), Measured(handshake_ok=False))[0] == "KVHandshakeFailed"
-    assert _stuck(RolloutView(), Measured(handshake_ok=True)) is None
+    assert _stuck(ClusterView(), Measured(handshake_ok=False))[0] == "KVHandshakeFailed"
+    assert _stuck(ClusterView(), Measured(handshake_ok=True)) is None

@@ -38,6 +38,11 @@ class FakeApiServer:
             if fragment in f"{request.method} {path}":
                 return httpx.Response(code, json={"kind": "Status", "reason": reason, "message": "injected"})
         if request.method == "PATCH" and request.headers["content-type"] == "application/merge-patch+json":
+            if path.endswith("/status") and path[: -len("/status")] in self.objects:
+                target = path[: -len("/status")]
+                status = json.loads(request.content).get("status") or {}
+                self.objects[target]["status"] = _merge(self.objects[target].get("status") or {}, status)
+                return httpx.Response(200, json=self.objects[target])
             if path not in self.objects:
                 return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
             self.objects[path] = _merge(self.objects[path], json.loads(request.content))
@@ -47,8 +52,14 @@ class FakeApiServer:
             assert request.url.params["fieldManager"] == "tandem-operator"
             assert request.url.params["force"] == "true"
             applied = json.loads(request.content)
-            if "status" in self.objects.get(path, {}):  # apply to the main resource never touches status
-                applied["status"] = self.objects[path]["status"]
+            before = self.objects.get(path, {})
+            if "status" in before:  # apply to the main resource never touches status
+                applied["status"] = before["status"]
+            # A field another manager set by merge patch (RoleScaler spec.replicas) survives an
+            # apply that does not mention it, as server-side apply keeps others' fields.
+            replicas = (before.get("spec") or {}).get("replicas")
+            if replicas is not None and "replicas" not in (applied.get("spec") or {}):
+                applied.setdefault("spec", {})["replicas"] = replicas
             self.objects[path] = applied
             return httpx.Response(200, json=self.objects[path])
         if request.method == "GET" and path in self.objects:
@@ -90,7 +101,8 @@ def test_sync_applies_every_child_and_reports_status(minimal_cr: dict[str, Any])
     result = run_sync(server, minimal_cr)
     assert result.error is None
     patches = [p for m, p in server.calls if m == "PATCH"]
-    assert len(patches) == 15 and "/configmaps/llama3-8b-engine-" in patches[0]
+    objects = sorted({p for p in patches if not p.endswith("/status")})
+    assert len(objects) == 17 and "/configmaps/llama3-8b-engine-" in patches[0]
     assert any(p.startswith("/apis/apps/v1/namespaces/default/deployments/llama3-8b-decode-") for p in patches)
     assert result.status["conditions"][0]["type"] == "PrefillReady"
     assert result.status["decode"]["desiredReplicas"] == 1
@@ -101,7 +113,7 @@ def test_sync_twice_is_a_no_op_for_the_objects(minimal_cr: dict[str, Any]) -> No
     run_sync(server, minimal_cr)
     snapshot = copy.deepcopy(server.objects)
     run_sync(server, minimal_cr)
-    assert server.objects == snapshot and len(snapshot) == 15
+    assert server.objects == snapshot and len(snapshot) == 17
 
 
 def test_invalid_spec_gives_degraded_and_permanent_error(minimal_cr: dict[str, Any]) -> None:
