@@ -104,7 +104,8 @@ def test_a_new_generation_rolls_out_in_pairs_and_the_old_one_is_retired(minimal_
             gen = dep["metadata"]["labels"].get(names.LABEL_GENERATION)
             if gen:
                 pair = by_gen.setdefault(gen, [0, 0])
-                pair[0 if dep["metadata"]["labels"][names.LABEL_COMPONENT] == "prefill" else 1] = dep["spec"]["replicas"]
+                role = dep["metadata"]["labels"][names.LABEL_COMPONENT]
+                pair[0 if role == "prefill" else 1] = dep["spec"]["replicas"]
         for p, d in by_gen.values():
             assert ratio_ok(p, d, 0.25, 4.0), by_gen  # each generation serves as a pair throughout
         progressing = next(c for c in result.status["conditions"] if c["type"] == "Progressing")
@@ -146,7 +147,7 @@ def test_crash_looping_pods_make_it_degraded(minimal_cr: dict[str, Any]) -> None
 
 
 def test_a_failed_kv_handshake_is_degraded() -> None:
-    from tandem.operator.status import Measured, ClusterView, _stuck
+    from tandem.operator.status import ClusterView, Measured, _stuck
 
     assert _stuck(ClusterView(), Measured(handshake_ok=False))[0] == "KVHandshakeFailed"
     assert _stuck(ClusterView(), Measured(handshake_ok=True)) is None
