@@ -8,7 +8,7 @@ condition. `read_metrics` is the only part that does I/O.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -143,6 +143,9 @@ async def read_metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec,
         memory.scrape = ScrapeReader(http)
     pods = {
         role: ready_pods(await api.list("v1", "Pod", svc.namespace, names.selector_labels(svc.name, role)))
-        for role in names.WORKER_ROLES
+        for role in names.ROLES
     }
-    return await memory.scrape.read(pods)
+    routers = pods.pop(names.ROUTER)
+    got = await memory.scrape.read(pods)
+    pending = await memory.scrape.read_pending(routers)
+    return {role: replace(got.get(role, RoleMetrics()), pending=pending[role]) for role in names.WORKER_ROLES}

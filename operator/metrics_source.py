@@ -7,14 +7,14 @@ RoleMetrics for a role they could not read, which the policy treats as "hold".
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
 from tandem import metric_names as m
 from tandem.operator import names
-from tandem.operator.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics
+from tandem.operator.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics, router_pending
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,20 @@ class ScrapeReader:
                 return None  # one unreachable pod must not stall the decision for the others
         return pod_metrics(pod.name, response.text)
 
+    async def read_pending(self, routers: list[PodRef]) -> dict[str, float]:
+        """Held requests per worker role, summed over the router pods."""
+        total = {names.PREFILL: 0.0, names.DECODE: 0.0}
+        for pod in routers:
+            async with self._limit:
+                try:
+                    response = await self._client.get(f"http://{pod.ip}:{self._port}{names.METRICS_PATH}")
+                    response.raise_for_status()
+                except httpx.HTTPError:
+                    continue
+            for role, value in router_pending(response.text).items():
+                total[role] += value
+        return total
+
     async def read(self, pods: dict[str, list[PodRef]]) -> dict[str, RoleMetrics]:
         out: dict[str, RoleMetrics] = {}
         for role, refs in pods.items():
@@ -84,7 +98,7 @@ class PrometheusReader:
         return None if value != value else value  # NaN: no samples in the window
 
     async def read_role(self, namespace: str, instance: str, role: str) -> RoleMetrics:
-        match = f'namespace="{namespace}",pod=~"{names.role_name(instance, role)}-[a-z0-9]+-[a-z0-9]+"'
+        match = f'namespace="{namespace}",pod=~"{names.role_name(instance, role)}(-[a-z0-9]+){{2,3}}"'
         hist = m.TIME_TO_FIRST_TOKEN_SECONDS if role == names.PREFILL else m.INTER_TOKEN_LATENCY_SECONDS
         p95 = f"histogram_quantile(0.95, sum by (le) (rate({hist}_bucket{{{match}}}[{self._window}])))"
         pods, queue, kv, latency, handshake = await asyncio.gather(
@@ -103,7 +117,17 @@ class PrometheusReader:
             handshake_ok=None if handshake is None or role != names.DECODE else handshake >= 1,
         )
 
+    async def read_pending(self, namespace: str, instance: str) -> dict[str, float]:
+        match = f'namespace="{namespace}",pod=~"{names.role_name(instance, names.ROUTER)}-[a-z0-9]+-[a-z0-9]+"'
+        out = {}
+        for role in names.WORKER_ROLES:
+            roles = "decode|colocated" if role == names.DECODE else role
+            value = await self._query(f'sum({m.ROUTER_PENDING_REQUESTS}{{{match},role=~"{roles}"}})')
+            out[role] = value or 0.0
+        return out
+
     async def read(self, namespace: str, instance: str) -> dict[str, RoleMetrics]:
         roles = names.WORKER_ROLES
         results = await asyncio.gather(*(self.read_role(namespace, instance, r) for r in roles))
-        return dict(zip(roles, results, strict=True))
+        pending = await self.read_pending(namespace, instance)
+        return {r: replace(res, pending=pending[r]) for r, res in zip(roles, results, strict=True)}

@@ -62,6 +62,19 @@ def pod_metrics(pod: str, text: str) -> PodMetrics:
     )
 
 
+def router_pending(text: str) -> dict[str, float]:
+    """Requests one router holds per worker role for want of a ready pod (scale from zero).
+    A router that waits for "colocated" workers in a PD service waits for decode ones."""
+    out = {role: 0.0 for role in (m.ROUTER_ROLES[0], m.ROUTER_ROLES[1])}
+    for sample in promtext.parse(text):
+        if sample.name == m.ROUTER_PENDING_REQUESTS:
+            role = sample.label("role") or ""
+            role = "decode" if role == "colocated" else role
+            if role in out:
+                out[role] += sample.value
+    return out
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from tandem.router import routes
 from tandem.router.admission import Admission
+from tandem.router.capacity import CapacityWait
 from tandem.router.config import RouterConfig
 from tandem.router.discovery import PodDiscovery
 from tandem.router.fast_path import FastPath
@@ -83,8 +84,10 @@ def build_app(cfg: RouterConfig) -> Any:
             policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
                         for role, name in ((COLOCATED, cfg.policy), (PREFILL, cfg.prefill_policy),
                                            (DECODE, cfg.decode_policy))}
-            proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold),
-                          ws, policies, metrics, session)
+            proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold,
+                                      pd=cfg.pd),
+                          ws, policies, metrics, session,
+                          CapacityWait(ws, metrics, cfg.capacity_wait, cfg.max_capacity_waiters))
             health = HealthChecker(ws, client, cfg.health_interval, cfg.health_timeout, cfg.health_fail_threshold)
             await health.check_all()
             state = RouterState(cfg, load_tokenizer(cfg.tokenizer), ws, proxy,

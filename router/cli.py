@@ -36,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0)
     p.add_argument("--rate-limit", type=float, default=None, help="requests per second (token bucket)")
     p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--capacity-wait", type=float, default=60.0,
+                   help="seconds a request waits for a worker of a role that has none ready (scale from zero); "
+                        "0: answer 503 at once")
+    p.add_argument("--max-capacity-waiters", type=int, default=1024,
+                   help="requests held waiting for capacity at once; past it, 503 at once")
     p.add_argument("--api-key", default=None, help="require this bearer key (or set $TANDEM_API_KEY)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_run)
@@ -60,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         selectors=tuple(role_selectors(args.selector, args.prefill_selector, args.decode_selector).items()),
         local_prefill_threshold=args.local_prefill_threshold, max_retries=args.max_retries,
         max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        rate_limit=args.rate_limit,
+        rate_limit=args.rate_limit, capacity_wait=args.capacity_wait, max_capacity_waiters=args.max_capacity_waiters,
         health_interval=args.health_interval, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
         **kw)
     import uvicorn

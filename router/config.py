@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.router.policies import POLICIES
+from tandem.router.workers import PREFILL
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,19 @@ class RouterConfig:
     request_timeout: float = 600.0
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
+    # Scale from zero (router/capacity.py): how long a request waits for a worker of a role
+    # with none eligible (0: answer 503 at once), and how many requests may wait at once.
+    capacity_wait: float = 60.0
+    max_capacity_waiters: int = 1024
 
     def __post_init__(self) -> None:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             if name not in POLICIES:
                 raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+        if self.capacity_wait < 0 or self.max_capacity_waiters < 0:
+            raise ValueError("capacity_wait and max_capacity_waiters must be >= 0")
+
+    @property
+    def pd(self) -> bool:
+        """Configured for PD: from the flags, not from which pods exist (prefill may be at zero)."""
+        return bool(self.prefill) or PREFILL in dict(self.selectors)

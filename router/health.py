@@ -47,6 +47,7 @@ class HealthChecker:
                 log.info("worker %s is healthy again", w.url)
                 w.healthy = True
                 w.breaker.on_success()
+                self.workers.touch()  # requests held for capacity may go now
         else:
             self.oks[w.url] = 0
             w.fails += 1

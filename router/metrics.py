@@ -6,7 +6,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.metric_names import ITL_BUCKETS_SECONDS, TTFT_BUCKETS_SECONDS
+from tandem.metric_names import (
+    ITL_BUCKETS_SECONDS,
+    ROUTER_CAPACITY_TIMEOUTS_TOTAL,
+    ROUTER_CAPACITY_WAITS_TOTAL,
+    ROUTER_PENDING_REQUESTS,
+    ROUTER_ROLES,
+    TTFT_BUCKETS_SECONDS,
+)
 
 
 class RouterMetrics:
@@ -42,6 +49,17 @@ class RouterMetrics:
         self.matched_tokens = Counter("tandem_router_estimated_cached_tokens",
                                       "prompt tokens the prefix index expects cached on the chosen worker",
                                       registry=r)
+        # Scale from zero (router/capacity.py): the operator reads these by name.
+        self.pending = Gauge(ROUTER_PENDING_REQUESTS, "requests held waiting for a worker of the role",
+                             ["role"], registry=r)
+        self.capacity_waits = Counter(ROUTER_CAPACITY_WAITS_TOTAL, "requests that waited for a worker of the role",
+                                      ["role"], registry=r)
+        self.capacity_timeouts = Counter(ROUTER_CAPACITY_TIMEOUTS_TOTAL,
+                                         "requests answered 503 after waiting for a worker of the role",
+                                         ["role"], registry=r)
+        for role in ROUTER_ROLES:  # every series exists at 0: a rate() over them needs a start
+            for series in (self.pending, self.capacity_waits, self.capacity_timeouts):
+                series.labels(role)
 
     def render(self, workers: list[Any], queue: int, inflight: int) -> bytes:
         self.queue.set(queue)

@@ -13,6 +13,11 @@ request goes to decode alone (conditional disaggregation; decode prefills it its
 Load (requests, tokens) is held from dispatch until the last byte or a cancellation, on
 every worker a request touches; a client that goes away closes the worker connections,
 which aborts the request there (the workers free its pages).
+
+No eligible worker for a role the request needs (a role scaled to zero, or all down): the
+request is held (router/capacity.py) until one appears or `--capacity-wait` runs out. A
+router configured for PD stays in PD mode with no prefill pod left, so a long prompt waits
+for a prefill worker instead of silently being prefilled on decode.
 """
 
 from __future__ import annotations
@@ -22,15 +27,17 @@ import json
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Policy
+from tandem.router.prefix_index import block_names
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
 from tandem.server.errors import ApiError, error_body
 
@@ -43,6 +50,8 @@ class Job:
     tokens: int  # load estimate: prompt + generation budget, all choices
     stream: bool
     done: Callable[[], None] = lambda: None  # called once its answer is over (a stream: its last byte)
+    # Returns once the client has gone; set for streams, whose wait for capacity nothing else cancels.
+    disconnected: Callable[[], Awaitable[Any]] | None = None
 
 
 @dataclass(eq=False)
@@ -58,27 +67,36 @@ class ProxyConfig:
     max_retries: int = 2
     backoff: float = 0.05
     local_prefill_threshold: int = 32
+    # Configured for PD (prefill selector or list): PD even while no prefill pod exists.
+    # False: PD whenever a prefill worker is known (one added over the admin API).
+    pd: bool = False
 
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig, workers: WorkerSet, policies: dict[str, Policy],
-                 metrics: RouterMetrics, client: aiohttp.ClientSession) -> None:
+                 metrics: RouterMetrics, client: aiohttp.ClientSession, capacity: CapacityWait | None = None) -> None:
         self.cfg, self.workers, self.policies, self.metrics, self.client = cfg, workers, policies, metrics, client
+        self.capacity = capacity if capacity is not None else CapacityWait(workers, metrics)  # default: off
 
     def pd_mode(self) -> bool:
-        return PREFILL in self.workers.roles()
+        return self.cfg.pd or PREFILL in self.workers.roles()
 
     async def handle(self, job: Job) -> Response:
         tried: set[str] = set()
         last = (503, "no healthy worker is available")
+        deadline = time.monotonic() + self.capacity.timeout  # one budget for all attempts' waits
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
                 base = self.cfg.backoff * 2 ** (attempt - 1)
                 await asyncio.sleep(min(2.0, base + random.uniform(0, base)))
-            route = self.choose(job, tried)
-            if route is None:
-                break
+            route = self._route(job, tried)
+            if isinstance(route, str):
+                if not attempt and not self.capacity.enabled:
+                    last = (503, f"no healthy {route} worker is available")
+                if not self.capacity.enabled or (attempt and time.monotonic() >= deadline):
+                    break  # a retry past the budget answers with the failure it retried
+                route = await self._await_capacity(job, tried, route, deadline)
             tried.update(w.url for w in (route.main, route.prefill) if w is not None)
             result = await self._attempt(job, route)
             if isinstance(result, Response):
@@ -94,27 +112,56 @@ class Proxy:
         return fresh or pool  # a retry prefers another worker, but one left is still one
 
     def choose(self, job: Job, tried: set[str]) -> Route | None:
+        route = self._route(job, tried)
+        return route if isinstance(route, Route) else None
+
+    def _route(self, job: Job, tried: set[str]) -> Route | str:
+        """A route, or the role that has no eligible worker for this request."""
         if not self.pd_mode():
             pool = self._candidates(COLOCATED, tried) or self._candidates(DECODE, tried)
             if not pool:
-                return None
+                return COLOCATED
             return Route(self._pick(COLOCATED, pool, job.ids)[0], job.body)
         decodes = self._candidates(DECODE, tried)
         if not decodes:
-            return None
+            return DECODE
+        prefills = [p for p in self._candidates(PREFILL, tried) if p.bootstrap_port is not None]
+        if not {p.generation for p in prefills} & {d.generation for d in decodes} and self._needs_prefill(decodes, job):
+            return PREFILL  # decided before a pick: cache_aware would record the prompt as cached on decode
         d, matched = self._pick(DECODE, decodes, job.ids)
         if len(job.ids) - matched <= self.cfg.local_prefill_threshold:
             self.metrics.pd_decisions.labels("decode_alone").inc()
             return Route(d, job.body)
-        prefills = [p for p in self._candidates(PREFILL, tried) if p.bootstrap_port is not None]
         same = [p for p in prefills if p.generation == d.generation]  # never pair across a rollout
         if not same:
-            return None
+            return PREFILL
         p, _ = self._pick(PREFILL, same, job.ids)
         self.metrics.pd_decisions.labels("disaggregated").inc()
         body = {**job.body, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port,
                 "bootstrap_room": random.randrange(2**63 - 2**16)}  # room + i per choice stays < 2**63
         return Route(d, body, prefill=p)
+
+    async def _await_capacity(self, job: Job, tried: set[str], role: str, deadline: float) -> Route:
+        """Hold the request until a route exists (or a 503: timeout, too many held)."""
+        async with self.capacity.hold(role, deadline, job.disconnected) as held:
+            while True:
+                await held.wait(role)
+                if not self.capacity.ready(role):  # cheap: no policy pick (it has side effects) until it can work
+                    continue
+                route = self._route(job, tried)
+                if isinstance(route, Route):
+                    return route
+                role = route  # e.g. a decode worker came, and this long prompt now needs a prefill one
+
+    def _needs_prefill(self, decodes: list[Worker], job: Job) -> bool:
+        """No decode worker is estimated to hold all but local_prefill_threshold of the prompt
+        (the best match over them, read without a pick)."""
+        policy = self.policies[DECODE if DECODE in self.policies else COLOCATED]
+        best = 0
+        if policy.name == "cache_aware":
+            names = block_names(job.ids, policy.index.block)
+            best = max(policy.index.match(d.url, names) for d in decodes) * policy.index.block
+        return len(job.ids) - best > self.cfg.local_prefill_threshold
 
     def _pick(self, role: str, pool: list[Worker], ids: list[int]) -> tuple[Worker, int]:
         policy = self.policies[role if role in self.policies else COLOCATED]

@@ -40,12 +40,19 @@ async def run(request: Request, state: Any, job: Job) -> Response:
     try:
         if not job.stream:
             return await cancel_on_disconnect(request, state.proxy.handle(job))  # closes the worker connections
+        job.disconnected = lambda: _disconnected(request)  # a stream held for capacity leaves when its client does
         response = await state.proxy.handle(job)
         streaming = isinstance(response, StreamingResponse)  # its relay calls job.done
         return response
     finally:
         if not streaming:
             job.done()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is read: nothing else arrives before that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _once(fn: Callable[[], None]) -> Callable[[], None]:
@@ -119,10 +126,16 @@ async def health() -> Response:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> Response:
-    """Ready when a request can be served: a colocated worker, or a decode (and a prefill, in PD)."""
-    if _state(request).draining:
+    """Ready when a request can be served: a colocated worker, or a decode (and a prefill, in PD).
+    Holding for capacity (--capacity-wait > 0), ready with no worker at all: a request that
+    arrives is held while the operator scales up from zero, and without readiness the Service
+    would have no endpoint, so no request, so no demand to scale on."""
+    state = _state(request)
+    if state.draining:
         return error_response(503, "draining")
-    ws = _state(request).workers
+    ws = state.workers
+    if state.proxy.capacity.enabled:
+        return Response(status_code=200)
     if ws.eligible(COLOCATED) or (ws.eligible(DECODE) and (PREFILL not in ws.roles() or ws.eligible(PREFILL))):
         return Response(status_code=200)
     return error_response(503, "no healthy worker")
@@ -150,6 +163,8 @@ async def drain(request: Request) -> dict[str, Any]:
 
 
 # ---- admin: workers at run time -----------------------------------------------------------------
+# POST /drain and POST/DELETE /workers answer only loopback or the API key: the Guard's
+# ADMIN_ROUTES (tandem/server/security.py) refuses everyone else with 403.
 class WorkerBody(BaseModel):
     url: str = Field(pattern=r"^https?://")
     role: str = Field(default=COLOCATED, pattern=f"^({COLOCATED}|{PREFILL}|{DECODE})$")

@@ -6,10 +6,16 @@ reaches the client or the request is cancelled (a stream is load until it ends):
 
 A worker is eligible for new requests when it is healthy (active checks), its breaker
 lets requests through, and it is not being removed (draining, deleted pod).
+
+The set wakes requests held for capacity (router/capacity.py) when it changes: a worker
+added, removed or found healthy again. A breaker half-opening is a matter of time, not an
+event; the holders also re-check on a slow timer for that.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -76,18 +82,40 @@ class Worker:
 class WorkerSet:
     def __init__(self) -> None:
         self.workers: dict[str, Worker] = {}
+        # Made on the first wait, not here: a set built outside a running loop must not bind one.
+        self._changed: asyncio.Event | None = None
 
     def add(self, w: Worker) -> Worker:
         w.url = w.url.rstrip("/")
         old = self.workers.get(w.url)
         if old is not None:  # re-added (a restarted pod): keep its load, refresh the rest
             old.role, old.bootstrap_port, old.generation, old.removing = w.role, w.bootstrap_port, w.generation, False
+            self.touch()
             return old
         self.workers[w.url] = w
+        self.touch()
         return w
 
     def remove(self, url: str) -> Worker | None:
-        return self.workers.pop(url.rstrip("/"), None)
+        w = self.workers.pop(url.rstrip("/"), None)
+        if w is not None:
+            self.touch()
+        return w
+
+    def touch(self) -> None:
+        """Wake every waiter in changed(): the set, or a worker's health, changed."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
+
+    async def changed(self, timeout: float) -> None:
+        """Return at the next touch(), or after `timeout` s, whichever comes first."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await event.wait()
 
     def eligible(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.eligible]

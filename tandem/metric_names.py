@@ -31,3 +31,13 @@ ITL_BUCKETS_SECONDS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 
 ALL_GAUGES = (NUM_QUEUE_REQS, NUM_RUNNING_REQS, KV_CACHE_USAGE, KV_HANDSHAKE_OK)
 ALL_HISTOGRAMS = (TIME_TO_FIRST_TOKEN_SECONDS, INTER_TOKEN_LATENCY_SECONDS)
+
+# ---- router -----------------------------------------------------------------------------------
+# Exported by `tandem router`, read by the operator to scale a role up from zero replicas.
+# Each carries a `role` label (ROUTER_ROLES); every role's series exists from the start, at 0.
+# Gauge: requests held right now, waiting for an eligible worker of that role.
+ROUTER_PENDING_REQUESTS = "tandem_router_pending_requests"
+# Counters: requests that had to wait for that role, and those whose wait timed out (a 503).
+ROUTER_CAPACITY_WAITS_TOTAL = "tandem_router_capacity_waits_total"
+ROUTER_CAPACITY_TIMEOUTS_TOTAL = "tandem_router_capacity_timeouts_total"
+ROUTER_ROLES = ("prefill", "decode", "colocated")

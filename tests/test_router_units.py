@@ -152,7 +152,8 @@ def _pod_events(role: str, uid: str, ip: str, generation: str = "g1") -> list[tu
 
     kids = {(c["kind"], c["metadata"]["name"]): c for c in reconcile(load_example(EXAMPLES_DIR /
                                                                                      "inferenceservice-minimal.yaml"))}
-    dep = next(c for (kind, name), c in kids.items() if kind == "Deployment" and name.endswith(f"-{role}"))
+    dep = next(c for (kind, _), c in kids.items()
+               if kind == "Deployment" and c["metadata"]["labels"]["app.kubernetes.io/component"] == role)
     template = dep["spec"]["template"]
     pod = {"metadata": {**copy.deepcopy(template["metadata"]), "name": f"{role}-{uid}", "uid": uid},
            "spec": copy.deepcopy(template["spec"]), "status": {"phase": "Pending"}}

@@ -131,7 +131,9 @@ def test_prometheus_reader_queries_per_role() -> None:
     assert any(f"histogram_quantile(0.95, sum by (le) (rate({m.TIME_TO_FIRST_TOKEN_SECONDS}_bucket" in q
                for q in seen)
     assert all('namespace="serving"' in q for q in seen)
-    assert any('pod=~"chat-decode-[a-z0-9]+-[a-z0-9]+"' in q for q in seen)
+    assert any('pod=~"chat-decode(-[a-z0-9]+){2,3}"' in q for q in seen)  # generation-named pods too
+    assert any(m.ROUTER_PENDING_REQUESTS in q and 'pod=~"chat-router-' in q for q in seen)
+    assert result["decode"].pending == pytest.approx(0.42)
 
 
 class FakePods:
@@ -149,8 +151,12 @@ def test_read_metrics_scrapes_ready_pods_of_both_roles(autoscaling_cr: dict[str,
         return {"metadata": {"name": ip}, "status": {"podIP": ip, "conditions": [{"type": "Ready",
                                                                                     "status": "True"}]}}
 
-    api = FakePods({"prefill": [ready("10.0.0.1")], "decode": [ready("10.0.1.1")]})
-    texts = {"10.0.0.1": exposition(9, 3, 0.3, None), "10.0.1.1": exposition(0, 40, 0.9, 1)}
+    api = FakePods({"prefill": [ready("10.0.0.1")], "decode": [ready("10.0.1.1")],
+                    "router": [ready("10.0.2.1"), ready("10.0.2.2")]})
+    held = (f'{m.ROUTER_PENDING_REQUESTS}{{role="prefill"}} 2\n{m.ROUTER_PENDING_REQUESTS}{{role="decode"}} 1\n'
+            f'{m.ROUTER_PENDING_REQUESTS}{{role="colocated"}} 0\n')
+    texts = {"10.0.0.1": exposition(9, 3, 0.3, None), "10.0.1.1": exposition(0, 40, 0.9, 1),
+             "10.0.2.1": held, "10.0.2.2": held}
 
     async def go() -> dict[str, RoleMetrics]:
         transport = httpx.MockTransport(lambda r: httpx.Response(200, text=texts[r.url.host]))
@@ -160,6 +166,7 @@ def test_read_metrics_scrapes_ready_pods_of_both_roles(autoscaling_cr: dict[str,
     got = asyncio.run(go())
     assert got["prefill"].queue_per_replica == 12 and got["decode"].kv_utilization == 0.9
     assert got["decode"].handshake_ok is True
+    assert (got["prefill"].pending, got["decode"].pending) == (4, 2)  # summed over both routers
 
 
 def test_plan_reports_disabled_unavailable_and_active(minimal_cr: dict[str, Any],
