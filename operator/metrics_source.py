@@ -53,6 +53,10 @@ class ScrapeReader:
                 return None  # one unreachable pod must not stall the decision for the others
         return pod_metrics(pod.name, response.text)
 
+    def loads(self, role: str) -> dict[str, float]:
+        """Pod -> waiting + running requests at the last scrape (for pod-deletion-cost)."""
+        return {name: (p.queue or 0.0) + (p.running or 0.0) for name, p in self._previous.get(role, {}).items()}
+
     async def read_pending(self, routers: list[PodRef]) -> dict[str, float]:
         """Held requests per worker role, summed over the router pods."""
         total = {names.PREFILL: 0.0, names.DECODE: 0.0}

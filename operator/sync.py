@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import kopf
 
+from tandem.operator import deletion_cost, names, role_scaler
 from tandem.operator import generations as gens
-from tandem.operator import names, role_scaler
 from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
 from tandem.operator.generation import generation_of
 from tandem.operator.kubeapi import ApiError, KubeApi
@@ -92,6 +92,27 @@ async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
                 await api.delete(api_version, kind, svc.namespace, name)
                 removed.append(f"{kind}/{name}")
     return removed
+
+
+async def _prefer_idle_pods(api: KubeApi, svc: ServiceSpec, gen: gens.Generation | None,
+                           new: tuple[int, int], memory: ServiceMemory, logger: Any) -> None:
+    """Ahead of a scale-down, rank the role's pods by load so the idlest go (deletion_cost.py)."""
+    if gen is None or memory.scrape is None:
+        return
+    for role, index in gens.ROLE_INDEX.items():
+        dep = gen.deployments.get(role) or {}
+        if int((dep.get("spec") or {}).get("replicas") or 0) <= new[index]:
+            continue
+        try:
+            pods = await api.list("v1", "Pod", svc.namespace, dep["spec"]["selector"]["matchLabels"])
+            marked = await deletion_cost.mark(api, svc.namespace, pods, memory.scrape.loads(role))
+        except ApiError as exc:  # a preference, never a reason to hold the scale-down
+            if exc.transient:
+                raise
+            logger.warning(f"pod-deletion-cost not set: {exc}")
+            continue
+        if marked:
+            logger.info(f"{role}: pod-deletion-cost set on {marked} pods ahead of a scale-down")
 
 
 async def _hpas(api: KubeApi, svc: ServiceSpec) -> list[dict[str, Any]]:
@@ -180,6 +201,7 @@ async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory
         found = await _generations(api, svc)
         moved = _rollout_step(svc, replicas, current, found)
         children = desired_children(svc, replicas, current, policy, new=moved.new)
+        await _prefer_idle_pods(api, svc, found.get(current), moved.new, memory, logger)
         await _apply_all(api, children, memory, force=not autoscale or not moved.done)
         old = gens.old_generations(found, current)
         await gens.scale_old(api, old, moved)

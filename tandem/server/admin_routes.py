@@ -9,6 +9,10 @@
     POST /drain             stop admitting, finish or abort in-flight work, report, exit
     POST /flush_cache       drop the prefix cache (when idle) and check the pool is whole
     POST /abort_request     {"rid": ...}
+
+The three POSTs change the worker's state: the Guard (security.py, ADMIN_ROUTES) lets them
+through only from the pod itself (loopback, as the preStop hook calls /drain) or with the
+API key: reaching port 8000 from another pod is not enough to drain a worker.
 """
 
 from __future__ import annotations

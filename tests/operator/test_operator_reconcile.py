@@ -89,6 +89,7 @@ def test_router_contract_and_rbac(minimal_cr: dict[str, Any]) -> None:
     c = container(router)
     assert c["command"] == [
         "tandem", "router", "--host", "0.0.0.0", "--port", "8000",
+        "--model-name", "meta-llama/Llama-3.1-8B-Instruct",
         "--prefill-selector", "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=llama3-8b,"
                               "app.kubernetes.io/component=prefill",
         "--decode-selector", "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=llama3-8b,"

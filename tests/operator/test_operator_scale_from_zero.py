@@ -77,3 +77,28 @@ def test_plan_reports_demand_as_activity(minimal_cr: dict[str, Any]) -> None:
     svc = parse_service(_zero_cr(minimal_cr))
     out = plan(svc, {}, {"decode": RoleMetrics(pending=1.0)}, None, now=0.0)
     assert out.report.active and out.state is not None and out.state.decode.replicas == 1
+
+
+def test_scale_down_marks_the_least_loaded_pods_for_deletion(autoscaling_cr: dict[str, Any]) -> None:
+    """Before a decode scale-down the operator sets pod-deletion-cost from each pod's load."""
+    from tandem.operator import deletion_cost
+    from tandem.operator.autoscaler import ServiceMemory
+    from tandem.operator.metrics_source import ScrapeReader
+    from tandem.operator.signals import PodMetrics
+
+    server = FakeApiServer()
+    run_sync(server, autoscaling_cr)
+    (path,) = [p for p in server.objects if "/deployments/qwen-chat-decode-" in p]
+    server.objects[path]["spec"]["replicas"] = 4  # running 4; the spec asks for 2: a scale-down
+    selector = server.objects[path]["spec"]["selector"]["matchLabels"]
+    for name in ("busy", "idle", "mid"):
+        server.objects[f"/api/v1/namespaces/serving/pods/{name}"] = {"metadata": {"name": name, "labels": selector}}
+    memory = ServiceMemory(scrape=ScrapeReader(None))  # type: ignore[arg-type]
+    memory.scrape._previous["decode"] = {  # what the last scrape saw
+        "busy": PodMetrics("busy", queue=3, running=40), "idle": PodMetrics("idle", queue=0, running=0),
+        "mid": PodMetrics("mid", queue=0, running=2.5)}
+    run_sync(server, autoscaling_cr, memory=memory)
+    costs = {n: server.objects[f"/api/v1/namespaces/serving/pods/{n}"]["metadata"]["annotations"][
+        deletion_cost.ANNOTATION] for n in ("busy", "idle", "mid")}
+    assert costs == {"busy": "4300", "idle": "0", "mid": "250"}
+    assert deletion_cost.patches(list(server.objects.values())[-3:], {"idle": 0.0}) == {}  # no churn

@@ -88,7 +88,7 @@ def _merge(base: Any, patch: Any) -> Any:
 def run_sync(server: FakeApiServer, cr: dict[str, Any], **kwargs: Any) -> Any:
     async def go() -> Any:
         async with httpx.AsyncClient(base_url="http://api", transport=httpx.MockTransport(server)) as client:
-            return await sync(cr, KubeApi(client), client, ServiceMemory(), LOG,
+            return await sync(cr, KubeApi(client), client, kwargs.get("memory") or ServiceMemory(), LOG,
                               autoscale=kwargs.get("autoscale", False),
                               prune_strays=kwargs.get("prune", True),
                               policy=kwargs.get("policy", OperatorPolicy()))
