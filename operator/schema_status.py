@@ -6,6 +6,7 @@ from typing import Any
 
 CONDITION_TYPES = (
     "PrefillReady", "DecodeReady", "RouterReady", "Ready", "Progressing", "Degraded", "ScalingActive",
+    "SpecWarnings",
 )
 
 _INT = {"type": "integer", "format": "int32"}

@@ -24,6 +24,7 @@ import kopf
 from tandem.operator import deletion_cost, names, role_scaler
 from tandem.operator import generations as gens
 from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
+from tandem.operator.conditions import Condition, merge_conditions
 from tandem.operator.generation import generation_of
 from tandem.operator.kubeapi import ApiError, KubeApi
 from tandem.operator.meta import is_owned_by
@@ -31,6 +32,7 @@ from tandem.operator.policy import OperatorPolicy, policy_problems
 from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
 from tandem.operator.rollout import GenCounts, Step, step
 from tandem.operator.spec import ServiceSpec, SpecError, parse_service
+from tandem.operator.spec_unknown import unknown_fields
 from tandem.operator.status import (
     ClusterView,
     ScalingReport,
@@ -50,6 +52,19 @@ RESYNC_S = 300.0
 class SyncResult:
     status: dict[str, Any]
     error: kopf.TemporaryError | kopf.PermanentError | None = None
+    warnings: tuple[str, ...] = ()  # unknown spec fields: the handler posts them as a Warning event
+
+
+def _with_warnings(result: SyncResult, cr: dict[str, Any]) -> SyncResult:
+    """Add the SpecWarnings condition: unknown fields (typos, fields of a newer release) are
+    reported, never silently dropped, whatever else the pass concluded."""
+    found = tuple(unknown_fields(cr))
+    cond = (Condition("SpecWarnings", "True", "UnknownFields", "unknown fields: " + "; ".join(found)) if found
+            else Condition("SpecWarnings", "False", "NoWarnings", ""))
+    generation = int((cr.get("metadata") or {}).get("generation") or 0)
+    status = dict(result.status)
+    status["conditions"] = merge_conditions(status.get("conditions") or [], [cond], _now(), generation)
+    return replace(result, status=status, warnings=found)
 
 
 def _now() -> str:
@@ -170,6 +185,11 @@ async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memo
 async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory: ServiceMemory,
                logger: Any, *, autoscale: bool, prune_strays: bool,
                policy: OperatorPolicy = OperatorPolicy()) -> SyncResult:  # noqa: B008 (frozen)
+    return _with_warnings(await _sync(cr, api, http, memory, logger, autoscale, prune_strays, policy), cr)
+
+
+async def _sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory: ServiceMemory,
+                logger: Any, autoscale: bool, prune_strays: bool, policy: OperatorPolicy) -> SyncResult:
     try:
         svc = parse_service(cr)
     except SpecError as exc:

@@ -178,3 +178,16 @@ def test_render_is_quiet_for_a_clean_cr(cr, tmp_path, capsys) -> None:
     path.write_text(yaml.safe_dump(cr))
     assert render_command(argparse.Namespace(filename=str(path))) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_sync_reports_unknown_fields_as_a_condition_and_warnings(minimal_cr: dict[str, Any]) -> None:
+    from test_operator_sync import FakeApiServer, run_sync
+
+    cr = copy.deepcopy(minimal_cr)
+    cr["spec"]["prefill"] = {"replica": 3}
+    result = run_sync(FakeApiServer(), cr)
+    cond = next(c for c in result.status["conditions"] if c["type"] == "SpecWarnings")
+    assert cond["status"] == "True" and "spec.prefill.replica (did you mean replicas?)" in cond["message"]
+    assert result.warnings == ("spec.prefill.replica (did you mean replicas?)",)
+    clean = run_sync(FakeApiServer(), minimal_cr)
+    assert next(c for c in clean.status["conditions"] if c["type"] == "SpecWarnings")["status"] == "False"
