@@ -5,6 +5,7 @@ reconciliation docs); the timer additionally reads metrics and autoscales.
 Children carry ownerReferences, so the garbage collector removes them with the CR;
 there is no deletion handler. kopf still puts one finalizer on each CR because it
 stops timers through it; it is named tandem.dev/finalizer here.
+Each sync() runs inside telemetry.observe(), which counts and times it for /metrics.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 import httpx
 import kopf
 
-from tandem.operator import names
+from tandem.operator import names, telemetry
 from tandem.operator.autoscaler import ServiceMemory
 from tandem.operator.kubeapi import KubeApi, credentials_from_kopf
+from tandem.operator.policy import OperatorPolicy
 from tandem.operator.sync import SyncResult, sync
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
@@ -30,6 +32,8 @@ class OperatorConfig:
     interval_s: float = 15.0
     initial_delay_s: float = 2.0
     metrics_timeout_s: float = 2.0
+    # Fixed by the cluster admin at start-up (chart values), never read from a CR.
+    policy: OperatorPolicy = OperatorPolicy()  # frozen: one shared default instance is safe
 
 
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
@@ -47,7 +51,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: Any,
     info = login(settings=settings)
     if info is None:
         raise kopf.PermanentError("no in-cluster service account and no kubeconfig found")
-    config: OperatorConfig = memo.get("config") or OperatorConfig()
+    config = _config(memo)
     memo["api"] = KubeApi.connect(credentials_from_kopf(info))
     # Pod IPs and in-cluster Prometheus are never reached through an egress proxy.
     memo["http"] = httpx.AsyncClient(timeout=config.metrics_timeout_s, trust_env=False)
@@ -67,15 +71,26 @@ def _memory(memo: kopf.Memo) -> ServiceMemory:
     return memo[MEMORY_KEY]
 
 
+def _config(memo: kopf.Memo) -> OperatorConfig:
+    config = memo.get("config")
+    return config if isinstance(config, OperatorConfig) else OperatorConfig()
+
+
 def _write(patch: kopf.Patch, result: SyncResult) -> None:
     for key, value in result.status.items():
         patch.status[key] = value
 
 
+async def _sync(body: kopf.Body, memo: kopf.Memo, logger: Any, *, timer: bool) -> SyncResult:
+    # The timer autoscales; create/update/resume prune strays (a list per child kind: not every tick).
+    return await sync(dict(body), memo["api"], memo["http"], _memory(memo), logger,
+                      autoscale=timer, prune_strays=not timer, policy=_config(memo).policy)
+
+
 async def reconcile_handler(spec: kopf.Spec, name: str, namespace: str, logger: Any, body: kopf.Body,
                             memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-    result = await sync(dict(body), memo["api"], memo["http"], _memory(memo), logger,
-                        autoscale=False, prune_strays=True)
+    with telemetry.of(memo).observe("reconcile", namespace, name) as outcome:
+        result = outcome.record(await _sync(body, memo, logger, timer=False))
     _write(patch, result)
     if result.error is not None:
         raise result.error
@@ -83,8 +98,8 @@ async def reconcile_handler(spec: kopf.Spec, name: str, namespace: str, logger: 
 
 async def timer_handler(spec: kopf.Spec, name: str, namespace: str, logger: Any, body: kopf.Body,
                         memo: kopf.Memo, patch: kopf.Patch, **_: Any) -> None:
-    result = await sync(dict(body), memo["api"], memo["http"], _memory(memo), logger,
-                        autoscale=True, prune_strays=False)
+    with telemetry.of(memo).observe("timer", namespace, name) as outcome:
+        result = outcome.record(await _sync(body, memo, logger, timer=True))
     _write(patch, result)
     if isinstance(result.error, kopf.TemporaryError):
         raise result.error
@@ -94,6 +109,7 @@ async def timer_handler(spec: kopf.Spec, name: str, namespace: str, logger: Any,
 async def forget_handler(spec: kopf.Spec, name: str, namespace: str, logger: Any, memo: kopf.Memo,
                          **_: Any) -> None:
     memo.pop(MEMORY_KEY, None)
+    telemetry.of(memo).forget(namespace, name)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

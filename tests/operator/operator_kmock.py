@@ -13,7 +13,9 @@ This subclass adds what kopf, kubectl and our operator rely on and kmock leaves 
 | request matching scans the whole request history  | keeps only the last few requests               |
 
 It still does no label selectors, strategic merge, schema validation or 409s; tests
-must not rely on those.
+must not rely on those. Besides InferenceServices it serves RoleScalers and kopf's peering
+resources (kopf.dev/v1), so the operator runs with --peering as the chart runs it. The polling
+and /metrics helpers at the end are shared by the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -22,17 +24,28 @@ import asyncio
 import copy
 import datetime
 import json
+import socket
 import threading
+import time
+import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import enums
+from prometheus_client.parser import text_string_to_metric_families
 
+T = TypeVar("T")
 CR_RESOURCE = "tandem.dev/v1alpha1/inferenceservices"
+ROLESCALER_RESOURCE = "tandem.dev/v1alpha1/rolescalers"
+# kopf's peering resources (kopf.dev/v1), served like any CR: kopf only lists, watches and
+# merge-patches them, which kmock does.
+CLUSTER_PEERING_RESOURCE = "kopf.dev/v1/clusterkopfpeerings"
+PEERING_RESOURCE = "kopf.dev/v1/kopfpeerings"
 
 
 def _merge(base: Any, patch: Any) -> Any:
@@ -151,6 +164,16 @@ class KmockCluster:
                 shortnames={"tisvc"}, categories={"tandem"}, subresources={"status", "scale"},
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )
+            emulator.resources[ROLESCALER_RESOURCE] = kmock.ResourceInfo(
+                kind="RoleScaler", singular="rolescaler", namespaced=True, categories={"tandem"},
+                subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            )
+            for resource, kind, namespaced in ((CLUSTER_PEERING_RESOURCE, "ClusterKopfPeering", False),
+                                               (PEERING_RESOURCE, "KopfPeering", True)):
+                emulator.resources[resource] = kmock.ResourceInfo(
+                    kind=kind, singular=kind.lower(), namespaced=namespaced,
+                    verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+                )
             self.emulator, self.port = emulator, server.port
             self._ready.set()
             await self._stop.wait()
@@ -189,3 +212,38 @@ class KmockCluster:
                         and (namespace is None or ns == namespace)]
 
         return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample on an operator's /metrics, keyed like `name{label="value",...}`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {s.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def reconciles(samples: dict[str, float]) -> float:
+    return sum(v for k, v in samples.items() if k.startswith("tandem_operator_reconcile_total{"))
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def condition(cr: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    for cond in ((cr or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return cond
+    return {}

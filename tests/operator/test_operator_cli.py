@@ -11,8 +11,9 @@ import pytest
 import yaml
 from operator_support import EXAMPLES_DIR, REPO, load_example
 
-from tandem.operator.cli import register
-from tandem.operator.crd import build_crd
+from tandem.operator.cli import policy_from, register
+from tandem.operator.crd import build_crds
+from tandem.operator.policy import OperatorPolicy
 from tandem.operator.reconcile import reconcile
 
 
@@ -36,6 +37,30 @@ def test_register_wires_render_run_and_crd() -> None:
     assert p.parse_args(["operator", "crd"]).func.__name__ == "crd_command"
     with pytest.raises(SystemExit):
         p.parse_args(["operator", "run", "-n", "a", "-A"])
+
+
+def test_run_flags_and_their_defaults() -> None:
+    p = parser()
+    default = p.parse_args(["operator", "run", "-A"])
+    assert (default.peering, default.priority, default.metrics_port) == (None, None, 8081)
+    assert default.allow_host_access is False and default.http_from_namespace == []
+    args = p.parse_args(["operator", "run", "-A", "--peering", "tandem", "--priority", "-5",
+                         "--metrics-port", "0", "--allow-host-access",
+                         "--http-from-namespace", "monitoring", "--http-from-namespace", "ops"])
+    assert (args.peering, args.priority, args.metrics_port) == ("tandem", -5, 0)
+    assert args.allow_host_access is True and args.http_from_namespace == ["monitoring", "ops"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["operator", "run", "--http-from-namespace", "Not_A_Namespace"])
+
+
+def test_policy_always_admits_the_operators_own_namespace() -> None:
+    args = parser().parse_args(["operator", "run", "--http-from-namespace", "monitoring",
+                                "--http-from-namespace", "tandem-system"])
+    assert policy_from(args, {"POD_NAMESPACE": "tandem-system"}) == OperatorPolicy(
+        allow_host_access=False, http_from_namespaces=("tandem-system", "monitoring"))
+    assert policy_from(args, {}).http_from_namespaces == ("monitoring", "tandem-system")
+    bare = parser().parse_args(["operator", "run", "--allow-host-access"])
+    assert policy_from(bare, {}) == OperatorPolicy(allow_host_access=True)
 
 
 def test_tandem_console_parser_includes_the_operator() -> None:
@@ -63,9 +88,10 @@ def test_render_reads_stdin_and_rejects_invalid_specs() -> None:
     assert run_module("render", "-f", "-", stdin="kind: ConfigMap\n").returncode == 2
 
 
-def test_crd_command_prints_the_crd() -> None:
+def test_crd_command_prints_every_crd() -> None:
     result = run_module("crd")
-    assert result.returncode == 0 and yaml.safe_load(result.stdout) == build_crd()
+    assert result.returncode == 0 and list(yaml.safe_load_all(result.stdout)) == build_crds()
+    assert [c["spec"]["names"]["kind"] for c in build_crds()] == ["InferenceService", "RoleScaler"]
 
 
 def test_operator_never_imports_torch() -> None:

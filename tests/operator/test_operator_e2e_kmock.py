@@ -1,6 +1,9 @@
 """End to end: the real kopf operator (a subprocess: `python -m tandem.operator run`) against kmock,
 driven by the real kubectl. kmock is an API emulator, not a cluster: no pods start, no label
-selectors, no strategic merge, no 409s; see operator_kmock.py for what the test subclass adds."""
+selectors, no strategic merge, no 409s; see operator_kmock.py for what the test subclass adds.
+
+The operator runs as the chart runs it: with kopf peering (a ClusterKopfPeering named `tandem`)
+and its metrics endpoint on."""
 
 from __future__ import annotations
 
@@ -9,22 +12,45 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
-from operator_support import EXAMPLES_DIR, REPO
+from operator_support import EXAMPLES_DIR, REPO, load_example
+
+from tandem.operator.reconcile import reconcile
 
 pytest.importorskip("kmock", reason="pip install kmock pytest-asyncio (operator-test)")
-from operator_kmock import CR_RESOURCE, KmockCluster  # noqa: E402
+from operator_kmock import (  # noqa: E402
+    CLUSTER_PEERING_RESOURCE,
+    CR_RESOURCE,
+    ROLESCALER_RESOURCE,
+    KmockCluster,
+    condition,
+    free_port,
+    reconciles,
+    scrape,
+    wait_for,
+)
 
 # kmock reads its bundled resource list with a deprecated importlib API; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
-T = TypeVar("T")
 DEPLOYMENTS = "apps/v1/deployments"
+PEERING = "tandem"
+# kopf's peer identity comes from POD_ID. A fixed one makes a restarted operator the same peer,
+# as a restarted container in the same pod is, instead of a newcomer waiting for its own ghost.
+LEADER_ID = "e2e-operator"
+
+
+def expected_children(example: str = "inferenceservice-minimal.yaml") -> int:
+    """How many children the operator applies for an example, outside a rollout."""
+    return len(reconcile(load_example(EXAMPLES_DIR / example)))
+
+
+N = expected_children()
+N_AUTOSCALING = expected_children("inferenceservice-autoscaling.yaml")
 
 
 class Env:
@@ -32,6 +58,7 @@ class Env:
         self.cluster, self.kubectl_bin, self.log = cluster, kubectl, log
         self.env = dict(os.environ, KUBECONFIG=str(kubeconfig))
         self.operator: subprocess.Popen[bytes] | None = None
+        self.metrics_port = free_port()
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         result = subprocess.run([self.kubectl_bin, *args], env=self.env, input=stdin, capture_output=True,
@@ -39,11 +66,19 @@ class Env:
         assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
         return result.stdout
 
+    def spawn(self, log: Path, pod_id: str, metrics_port: int) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "tandem.operator", "run", "--all-namespaces", "--interval", "1",
+                 "--peering", PEERING, "--metrics-port", str(metrics_port)],
+                env=dict(self.env, POD_ID=pod_id), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
     def start_operator(self) -> None:
-        with self.log.open("ab") as log:
-            self.operator = subprocess.Popen(
-                [sys.executable, "-m", "tandem.operator", "run", "--all-namespaces", "--interval", "1"],
-                env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.operator = self.spawn(self.log, LEADER_ID, self.metrics_port)
+
+    def peers(self) -> dict[str, Any]:
+        found = [o for o in self.cluster.live(CLUSTER_PEERING_RESOURCE) if o["metadata"]["name"] == PEERING]
+        return dict((found[0].get("status") or {}) if found else {})
 
     def stop_operator(self, sig: int = signal.SIGTERM) -> None:
         if self.operator is not None and self.operator.poll() is None:
@@ -66,28 +101,19 @@ class Env:
         return [o for o in self.cluster.live(resource, "default")
                 if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == name]
 
+    def deployment(self, name: str, role: str) -> dict[str, Any] | None:
+        """A role's Deployment, found by its component label rather than a name (worker
+        Deployment names carry a model-generation suffix); None unless exactly one."""
+        found = [d for d in self.children(name)
+                 if (d["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == role]
+        return found[0] if len(found) == 1 else None
+
     def all_children(self, name: str) -> list[dict[str, Any]]:
         resources = ("v1/configmaps", "v1/services", "v1/serviceaccounts", DEPLOYMENTS,
                      "rbac.authorization.k8s.io/v1/roles", "rbac.authorization.k8s.io/v1/rolebindings",
-                     "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies")
+                     "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
+                     ROLESCALER_RESOURCE)
         return [c for r in resources for c in self.children(name, r)]
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def condition(cr: dict[str, Any] | None, kind: str) -> dict[str, Any]:
-    for cond in ((cr or {}).get("status") or {}).get("conditions") or []:
-        if cond["type"] == kind:
-            return cond
-    return {}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +121,9 @@ def env(tmp_path_factory: pytest.TempPathFactory, kubectl: str) -> Iterator[Env]
     cluster = KmockCluster().start()
     tmp = tmp_path_factory.mktemp("kmock")
     e = Env(cluster, cluster.write_kubeconfig(tmp / "kubeconfig"), kubectl, tmp / "operator.log")
+    # What the chart ships with leaderElection on; kopf only patches it, so it must exist first.
+    e.kubectl("create", "--validate=false", "-f", "-",
+              stdin=f"apiVersion: kopf.dev/v1\nkind: ClusterKopfPeering\nmetadata:\n  name: {PEERING}\n")
     e.start_operator()
     try:
         yield e
@@ -107,11 +136,11 @@ def env(tmp_path_factory: pytest.TempPathFactory, kubectl: str) -> Iterator[Env]
 
 def test_create_gives_children_owner_refs_and_status(env: Env) -> None:
     env.create("inferenceservice-minimal.yaml", "e2e-create")
-    children = wait_for("14 children", lambda: (c := env.all_children("e2e-create")) and len(c) == 14 and c)
+    children = wait_for(f"{N} children", lambda: (c := env.all_children("e2e-create")) and len(c) == N and c)
     uid = env.cr("e2e-create")["metadata"]["uid"]  # type: ignore[index]
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == uid for c in children)
-    assert {c["metadata"]["name"] for c in env.children("e2e-create")} == {
-        "e2e-create-prefill", "e2e-create-decode", "e2e-create-router"}
+    assert all(env.deployment("e2e-create", role) for role in ("prefill", "decode", "router"))
+    assert len(env.children("e2e-create")) == 3
     cr = wait_for("status", lambda: (c := env.cr("e2e-create")) and condition(c, "Progressing") and c)
     assert cr["status"]["url"] == "http://e2e-create.default.svc.cluster.local"
     assert condition(cr, "Ready")["status"] == "False"  # no pods exist in an emulator
@@ -126,8 +155,8 @@ def test_patching_replicas_changes_the_deployment(env: Env) -> None:
     env.kubectl("patch", "tisvc", "e2e-patch", "--type=merge", "-p", '{"spec":{"decode":{"replicas":3}}}')
 
     def scaled() -> dict[str, Any] | None:
-        dep = [d for d in env.children("e2e-patch") if d["metadata"]["name"] == "e2e-patch-decode"]
-        return dep[0] if dep and dep[0]["spec"]["replicas"] == 3 else None
+        dep = env.deployment("e2e-patch", "decode")
+        return dep if dep and dep["spec"]["replicas"] == 3 else None
 
     wait_for("decode replicas 3", scaled)
     cr = wait_for("observedGeneration 2",
@@ -143,7 +172,9 @@ def test_ready_needs_prefill_decode_and_router(env: Env) -> None:
     def mark_ready(role: str) -> None:
         status = {"status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1,
                              "updatedReplicas": 1}}
-        env.kubectl("patch", "deployment", f"e2e-ready-{role}", "--subresource=status", "--type=merge",
+        dep = env.deployment("e2e-ready", role)
+        assert dep is not None, role
+        env.kubectl("patch", "deployment", dep["metadata"]["name"], "--subresource=status", "--type=merge",
                     "-p", json.dumps(status))
 
     mark_ready("prefill")
@@ -169,38 +200,85 @@ def test_invalid_spec_is_degraded_not_a_crash(env: Env) -> None:
     fix = {"spec": {"model": {"uri": None, "pvc": {"claimName": "models"}}}}
     env.kubectl("patch", "tisvc", "e2e-bad", "--type=merge", "-p", json.dumps(fix))
     wait_for("recovered", lambda: condition(env.cr("e2e-bad"), "Degraded").get("status") == "False")
-    wait_for("children after the fix", lambda: len(env.all_children("e2e-bad")) == 14)
+    wait_for("children after the fix", lambda: len(env.all_children("e2e-bad")) == N)
 
 
 def test_delete_removes_the_cr_and_its_children(env: Env) -> None:
     env.create("inferenceservice-minimal.yaml", "e2e-delete")
-    wait_for("children", lambda: len(env.all_children("e2e-delete")) == 14)
+    wait_for("children", lambda: len(env.all_children("e2e-delete")) == N)
     env.kubectl("delete", "tisvc", "e2e-delete", "--wait=false")
     wait_for("CR gone (kopf released its finalizer)", lambda: env.cr("e2e-delete") is None)
     wait_for("children collected", lambda: env.all_children("e2e-delete") == [])
 
 
+def test_metrics_count_reconciles_by_result(env: Env) -> None:
+    env.create("inferenceservice-minimal.yaml", "e2e-metrics")
+    env.create("inferenceservice-minimal.yaml", "e2e-metrics-bad", model={"servedName": "m", "uri": "hf://o/m"})
+
+    def counted() -> dict[str, float] | None:
+        samples = scrape(env.metrics_port)
+        ok = samples.get('tandem_operator_reconcile_total{handler="reconcile",result="ok"}', 0)
+        invalid = samples.get('tandem_operator_reconcile_total{handler="reconcile",result="invalid"}', 0)
+        return samples if ok >= 1 and invalid >= 1 else None
+
+    samples = wait_for("ok and invalid reconciles on /metrics", counted)
+    assert samples['tandem_operator_errors_total{kind="invalid_spec"}'] >= 1
+    assert samples['tandem_operator_reconcile_duration_seconds_count{handler="reconcile"}'] >= 2
+    assert samples["tandem_operator_services{}"] >= 2
+    wait_for("timer passes counted", lambda: scrape(env.metrics_port).get(
+        'tandem_operator_reconcile_total{handler="timer",result="ok"}', 0) >= 1)
+    assert not any(k.startswith("python_gc") for k in samples)  # a dedicated registry, ours only
+
+
+def test_a_standby_replica_waits_then_takes_over(env: Env) -> None:
+    log, port = env.log.with_name("standby.log"), free_port()
+    standby = env.spawn(log, "e2e-standby", port)
+    try:
+        peers = wait_for("both replicas in the peering object",
+                         lambda: (p := env.peers()) and {LEADER_ID, "e2e-standby"} <= set(p) and p)
+        assert peers[LEADER_ID]["priority"] > peers["e2e-standby"]["priority"]  # the older one leads
+        # kopf starts a peering replica paused and keeps it so while a higher priority lives
+        # (it logs only transitions, so a standby that never ran logs nothing about it).
+        env.create("inferenceservice-minimal.yaml", "e2e-led")
+        wait_for("the leader's children", lambda: len(env.all_children("e2e-led")) == N)
+        assert reconciles(scrape(port)) == 0 and "Resuming operations" not in log.read_text()
+        env.stop_operator()  # graceful: kopf removes the leader from the peering object at once
+        wait_for("standby resumed", lambda: "Resuming operations" in log.read_text(), timeout=20)
+        env.create("inferenceservice-minimal.yaml", "e2e-taken-over")
+        wait_for("the new leader's children", lambda: len(env.all_children("e2e-taken-over")) == N)
+        assert reconciles(scrape(port)) >= 1
+    finally:
+        if standby.poll() is None:
+            standby.send_signal(signal.SIGTERM)
+            standby.wait(20)
+        if env.operator is None:
+            env.start_operator()
+    wait_for("standby left the peering object", lambda: "e2e-standby" not in env.peers())
+
+
 def test_operator_restart_midway_converges_without_duplicates(env: Env) -> None:
     env.create("inferenceservice-autoscaling.yaml", "e2e-restart")
-    before = wait_for("children", lambda: (c := env.all_children("e2e-restart")) and len(c) == 14 and c)
+    before = wait_for("children",
+                      lambda: (c := env.all_children("e2e-restart")) and len(c) == N_AUTOSCALING and c)
     uids = {(c["kind"], c["metadata"]["name"]): c["metadata"]["uid"] for c in before}
     env.stop_operator(signal.SIGKILL)  # a crash: no cleanup, no graceful shutdown
+    # Edits that keep the model generation (generation.py), so they roll within the same
+    # Deployments; an engine change would start a new generation by design.
     env.kubectl("patch", "tisvc", "e2e-restart", "--type=merge",
-                "-p", '{"spec":{"prefill":{"replicas":3},"engine":{"pageSize":32}}}')
+                "-p", '{"spec":{"prefill":{"replicas":3,"extraArgs":["--e2e-marker"]}}}')
     env.start_operator()
 
     def converged() -> list[dict[str, Any]] | None:
-        deps = {d["metadata"]["name"]: d for d in env.children("e2e-restart")}
-        dep = deps.get("e2e-restart-prefill")
-        return list(deps.values()) if dep and dep["spec"]["replicas"] == 3 else None
+        dep = env.deployment("e2e-restart", "prefill")
+        return env.children("e2e-restart") if dep and dep["spec"]["replicas"] == 3 else None
 
     wait_for("prefill at 3 after restart", converged, timeout=45)
     after = env.all_children("e2e-restart")
-    assert len(after) == 14
+    assert len(after) == N_AUTOSCALING
     assert {(c["kind"], c["metadata"]["name"]): c["metadata"]["uid"] for c in after} == uids
     assert all(len(c["metadata"]["ownerReferences"]) == 1 for c in after)
-    config = [c for c in after if c["kind"] == "ConfigMap"][0]
-    assert "page_size: 32" in config["data"]["prefill.yaml"]
+    prefill = env.deployment("e2e-restart", "prefill")
+    assert "--e2e-marker" in json.dumps(prefill["spec"]["template"]["spec"]["containers"])  # type: ignore[index]
     wait_for("observedGeneration 2",
              lambda: (c := env.cr("e2e-restart")) and c.get("status", {}).get("observedGeneration") == 2)
     # The autoscaler restarted from the edited spec (3 prefill pods), not from its pre-crash state.

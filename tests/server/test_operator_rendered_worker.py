@@ -55,7 +55,7 @@ def test_prefill_and_decode_pods_serve_disaggregated_as_rendered(model_path, tmp
     command, env, text = pods[contract.DECODE]
     doc = contract.EngineYaml.parse(text)
     peers = doc.engine_args["pd_prefill_peers"]  # the prefill pods' headless Service, bootstrap port
-    assert peers.endswith(f".svc.cluster.local:{contract.BOOTSTRAP_PORT}") and "-prefill." in peers
+    assert peers.endswith(f".svc.cluster.local:{contract.BOOTSTRAP_PORT}") and "-prefill-" in peers  # its generation
     local = contract.EngineYaml({**doc.engine_args, "pd_prefill_peers": f"127.0.0.1:{bootstrap}"}, doc.tp_size,
                                 doc.kv_transfer).render()
     pre = _start(*pods[contract.PREFILL], model, tmp_path, bootstrap)

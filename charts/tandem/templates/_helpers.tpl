@@ -33,35 +33,68 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Namespaced rules: what the operator does to InferenceServices and their children. */}}
+{{/* The kopf peering name, or "" for a standalone operator (one replica, Recreate). */}}
+{{- define "tandem.peeringName" -}}
+{{- if or .Values.leaderElection.enabled (gt (int .Values.replicaCount) 1) -}}
+{{- .Values.leaderElection.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Namespaced rules: exactly what the operator's code uses (tests/operator/test_operator_rbac.py
+holds the table). Its own client (operator/kubeapi.py) does server-side apply (a PATCH that
+creates: create + patch), merge patches, get, list and delete; kopf lists, watches and patches
+InferenceServices and posts events. Nothing is updated (PUT) and children are never watched.
+*/}}
 {{- define "tandem.namespacedRules" -}}
+# kopf: the watch stream, finalizer and progress annotations, and the status subresource.
 - apiGroups: ["tandem.dev"]
   resources: ["inferenceservices"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: ["tandem.dev"]
   resources: ["inferenceservices/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
+# RoleScalers: one per role, applied by the operator; their status carries the scale readout.
+- apiGroups: ["tandem.dev"]
+  resources: ["rolescalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["tandem.dev"]
+  resources: ["rolescalers/status"]
+  verbs: ["get", "patch"]
+# Children: applied, read back (Deployments), listed to prune strays, deleted.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
-# Pods: read for metrics scraping, and held so the operator may grant the router's Role
-# (RBAC forbids granting permissions one does not have).
+  verbs: ["get", "list", "create", "patch", "delete"]
+# Pods: listed for metrics scraping, patched for the pod-deletion-cost annotation; get/list/watch
+# are also held because the router's Role grants them, and RBAC forbids granting what one lacks.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-- apiGroups: ["", "events.k8s.io"]
+  verbs: ["get", "list", "watch", "patch"]
+# HPAs: read only, to notice one that targets a role and would fight the built-in autoscaler.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list"]
+# kopf posts core/v1 events.
+- apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
+{{- end -}}
+
+{{/* kopf peering: keep-alives are patches to the peering object's status, watched by all peers. */}}
+{{- define "tandem.peeringRule" -}}
+- apiGroups: ["kopf.dev"]
+  resources: [{{ if .Values.watch.allNamespaces }}"clusterkopfpeerings"{{ else }}"kopfpeerings"{{ end }}]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end -}}
