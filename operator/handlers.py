@@ -92,6 +92,8 @@ async def reconcile_handler(spec: kopf.Spec, name: str, namespace: str, logger: 
     with telemetry.of(memo).observe("reconcile", namespace, name) as outcome:
         result = outcome.record(await _sync(body, memo, logger, timer=False))
     _write(patch, result)
+    if result.warnings:  # on create/update/resume only: the timer would repeat it every tick
+        kopf.warn(body, reason="UnknownFields", message="; ".join(result.warnings)[:1000])
     if result.error is not None:
         raise result.error
 

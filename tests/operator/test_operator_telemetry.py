@@ -158,3 +158,18 @@ def test_peering_kwargs() -> None:
     assert runner.peering_kwargs("tandem", 5) == {"standalone": False, "peering_name": "tandem", "priority": 5}
     auto = runner.peering_kwargs("tandem", None)
     assert auto["peering_name"] == "tandem" and isinstance(auto["priority"], int) and auto["priority"] < 0
+
+
+def test_unknown_fields_become_one_warning_event_per_reconcile(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[tuple[str, str]] = []
+
+    async def fake_sync(cr: dict[str, Any], *args: Any, **kwargs: Any) -> SyncResult:
+        return SyncResult({"url": "u"}, warnings=("spec.prefill.replica (did you mean replicas?)",))
+
+    monkeypatch.setattr(handlers, "sync", fake_sync)
+    monkeypatch.setattr(kopf, "warn", lambda body, reason, message: events.append((reason, message)))
+    memo = kopf.Memo(config=OperatorConfig(), api=None, http=None)
+    memo[telemetry.MEMO_KEY] = Telemetry()
+    _call(handlers.reconcile_handler, memo)
+    _call(handlers.timer_handler, memo)  # the condition carries it on; no event per tick
+    assert events == [("UnknownFields", "spec.prefill.replica (did you mean replicas?)")]
