@@ -101,7 +101,7 @@ async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
         for obj in await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name)):
             name = obj["metadata"]["name"]
             if ((obj["metadata"].get("labels") or {}).get(names.LABEL_GENERATION) in living
-                    or (kind == "Deployment" and "" in living and _legacy(obj))):
+                    or ("" in living and _legacy(obj) and (kind == "Deployment" or name == f"{svc.name}-engine"))):
                 continue
             if (kind, name) not in wanted and is_owned_by(obj, svc.uid):
                 await api.delete(api_version, kind, svc.namespace, name)
@@ -140,6 +140,7 @@ async def _hpas(api: KubeApi, svc: ServiceSpec) -> list[dict[str, Any]]:
 
 
 def _legacy(obj: dict[str, Any]) -> bool:
+    """From before generations: its Deployments and the `<name>-engine` ConfigMap their pods mount."""
     return names.LABEL_GENERATION not in ((obj.get("metadata") or {}).get("labels") or {})
 
 

@@ -151,3 +151,31 @@ def test_a_failed_kv_handshake_is_degraded() -> None:
 
     assert _stuck(ClusterView(), Measured(handshake_ok=False))[0] == "KVHandshakeFailed"
     assert _stuck(ClusterView(), Measured(handshake_ok=True)) is None
+
+
+def test_deployments_from_before_generations_are_drained_as_an_old_generation(minimal_cr: dict[str, Any]) -> None:
+    """An operator upgrade finds `<name>-prefill`/`-decode` without a generation label: they keep
+    serving (and their `<name>-engine` ConfigMap stays) until the new generation took over."""
+    server = FakeApiServer()
+    owner = {"uid": minimal_cr["metadata"]["uid"], "controller": True}
+    for role in ("prefill", "decode"):
+        labels = names.selector_labels("llama3-8b", role)
+        server.objects[f"/apis/apps/v1/namespaces/default/deployments/llama3-8b-{role}"] = {
+            "metadata": {"name": f"llama3-8b-{role}", "namespace": "default", "labels": labels,
+                         "ownerReferences": [owner], "generation": 1},
+            "spec": {"replicas": 1, "selector": {"matchLabels": labels}},
+            "status": {"observedGeneration": 1, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}}
+    legacy_config = "/api/v1/namespaces/default/configmaps/llama3-8b-engine"
+    server.objects[legacy_config] = {"metadata": {"name": "llama3-8b-engine", "labels": names.selector_labels(
+        "llama3-8b"), "ownerReferences": [owner]}}
+    legacy = [p for p in server.objects if p.endswith(("/llama3-8b-prefill", "/llama3-8b-decode"))]
+    result = run_sync(server, minimal_cr)
+    assert all(p in server.objects for p in legacy) and legacy_config in server.objects
+    assert result.status["rollout"]["oldGenerations"] == [{"generation": "", "prefill": 1, "decode": 1}]
+    for _ in range(10):
+        _become_ready(server)
+        result = run_sync(server, minimal_cr)
+        if not result.status["rollout"]["oldGenerations"]:
+            break
+    run_sync(server, minimal_cr)  # the next reconcile prunes what the old pods mounted
+    assert not any(p in server.objects for p in legacy) and legacy_config not in server.objects
