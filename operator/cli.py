@@ -26,6 +26,8 @@ def register(sub: Any) -> None:
 
     render = commands.add_parser("render", help="Print the children the operator would apply (YAML).")
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin).")
+    render.add_argument("--allow-host-access", action="store_true",
+                        help="render as an operator run with --allow-host-access would (hostPath models...)")
     render.set_defaults(func=render_command)
 
     _register_run(commands)
@@ -70,6 +72,7 @@ def _load(filename: str) -> list[dict[str, Any]]:
 
 
 def render_command(args: argparse.Namespace) -> int:
+    from tandem.operator.policy import OperatorPolicy
     from tandem.operator.reconcile import reconcile
     from tandem.operator.spec import SpecError
     from tandem.operator.spec_unknown import unknown_fields
@@ -84,7 +87,7 @@ def render_command(args: argparse.Namespace) -> int:
             print(f"warning: {names.KIND} {cr.get('metadata', {}).get('name')!r}: unknown field {field}",
                   file=sys.stderr)
         try:
-            children += reconcile(cr)
+            children += reconcile(cr, OperatorPolicy(allow_host_access=args.allow_host_access))
         except SpecError as exc:
             print(f"error: {names.KIND} {cr.get('metadata', {}).get('name')!r}: {exc}", file=sys.stderr)
             return 1

@@ -56,3 +56,14 @@ def test_host_path_models_are_refused_through_sync() -> None:
     assert degraded["reason"] == "Forbidden" and "spec.model.hostPath" in degraded["message"]
     allowed = run_sync(FakeApiServer(), cr, policy=OperatorPolicy(allow_host_access=True))
     assert allowed.error is None
+
+
+def test_render_refuses_host_access_unless_asked(capsys) -> None:
+    import argparse
+
+    from tandem.operator.cli import render_command
+
+    path = str(EXAMPLES_DIR / "inferenceservice-cpu-hostpath.yaml")
+    assert render_command(argparse.Namespace(filename=path, allow_host_access=False)) == 1
+    assert "security.allowHostAccess" in capsys.readouterr().err
+    assert render_command(argparse.Namespace(filename=path, allow_host_access=True)) == 0

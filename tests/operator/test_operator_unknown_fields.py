@@ -163,7 +163,7 @@ def test_render_warns_on_stderr_and_still_renders(cr, tmp_path, capsys) -> None:
     bad["spec"]["autoscaling"] = {"foo": 1}
     path = tmp_path / "cr.yaml"
     path.write_text(yaml.safe_dump(bad, sort_keys=False))
-    assert render_command(argparse.Namespace(filename=str(path))) == 0
+    assert render_command(argparse.Namespace(filename=str(path), allow_host_access=False)) == 0
     out, err = capsys.readouterr()
     name = cr["metadata"]["name"]
     assert err.splitlines() == [
@@ -176,7 +176,7 @@ def test_render_warns_on_stderr_and_still_renders(cr, tmp_path, capsys) -> None:
 def test_render_is_quiet_for_a_clean_cr(cr, tmp_path, capsys) -> None:
     path = tmp_path / "cr.yaml"
     path.write_text(yaml.safe_dump(cr))
-    assert render_command(argparse.Namespace(filename=str(path))) == 0
+    assert render_command(argparse.Namespace(filename=str(path), allow_host_access=False)) == 0
     assert capsys.readouterr().err == ""
 
 
