@@ -33,6 +33,16 @@ class Generation:
         return GenCounts(self.name, (replicas[names.PREFILL], replicas[names.DECODE]),
                          (obs[names.PREFILL].ready, obs[names.DECODE].ready))
 
+    def children(self, instance: str) -> list[tuple[str, str, str]]:
+        """(apiVersion, kind, name) of everything this generation's pods need: its Deployments,
+        the ConfigMap they mount and the prefill Service its decode pods handshake with. The
+        generation from before labels ("") mounted `<name>-engine` and shares the role Services."""
+        out = [("apps/v1", "Deployment", d["metadata"]["name"]) for d in self.deployments.values()]
+        if not self.name:
+            return [*out, ("v1", "ConfigMap", f"{instance}-engine")]
+        return [*out, ("v1", "ConfigMap", names.engine_config_name(instance, self.name)),
+                ("v1", "Service", names.generation_name(instance, names.PREFILL, self.name))]
+
     def empty(self) -> bool:
         """No pods left and none wanted: safe to delete."""
         return all(observe_deployment(d).replicas == 0 and not (d.get("spec") or {}).get("replicas")
@@ -82,13 +92,9 @@ async def retire(api: KubeApi, namespace: str, instance: str, old: list[Generati
     for gen in old:
         if not gen.empty():
             continue
-        for dep in gen.deployments.values():
-            await api.delete("apps/v1", "Deployment", namespace, dep["metadata"]["name"])
-            removed.append(f"Deployment/{dep['metadata']['name']}")
-        if gen.name:  # a legacy generation shares nothing else with the current one
-            await api.delete("v1", "ConfigMap", namespace, names.engine_config_name(instance, gen.name))
-            await api.delete("v1", "Service", namespace, names.generation_name(instance, names.PREFILL, gen.name))
-            removed.append(f"generation {gen.name}")
+        for api_version, kind, name in gen.children(instance):
+            await api.delete(api_version, kind, namespace, name)
+            removed.append(f"{kind}/{name}")
     return removed
 
 

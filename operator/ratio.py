@@ -10,6 +10,7 @@ kopf's event loop free even at maxReplicas 10000 on both roles.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 # Keeps e.g. 3 / 12 == 0.25 inside a [0.25, ...] range despite float rounding.
 _EPS = 1e-9
@@ -42,7 +43,7 @@ def _best_for(p: int, want_d: int, d_range: Pair, lo: float, hi: float) -> int |
     return None if interval is None else min(max(want_d, interval[0]), interval[1])
 
 
-def _outward(center: int, first: int, last: int):  # type: ignore[no-untyped-def]
+def _outward(center: int, first: int, last: int) -> Iterator[int]:
     """first..last ordered by distance from center, ties to the larger value (more pods)."""
     center = min(max(center, first), last)
     yield center

@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -92,17 +93,15 @@ async def _apply_all(api: KubeApi, children: list[dict[str, Any]], memory: Servi
 
 
 async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
-                living: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+                draining: Sequence[gens.Generation] = ()) -> list[str]:
     """Delete children this CR owns that reconcile no longer wants (e.g. after an operator upgrade),
-    except those of an old generation still rolling out (`living`), which retire() removes."""
+    except those of an old generation still draining, which retire() removes."""
     wanted = {(c["kind"], c["metadata"]["name"]) for c in children}
+    wanted |= {(kind, name) for g in draining for _, kind, name in g.children(svc.name)}
     removed = []
     for api_version, kind in CHILD_KINDS:
         for obj in await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name)):
             name = obj["metadata"]["name"]
-            if ((obj["metadata"].get("labels") or {}).get(names.LABEL_GENERATION) in living
-                    or ("" in living and _legacy(obj) and (kind == "Deployment" or name == f"{svc.name}-engine"))):
-                continue
             if (kind, name) not in wanted and is_owned_by(obj, svc.uid):
                 await api.delete(api_version, kind, svc.namespace, name)
                 removed.append(f"{kind}/{name}")
@@ -139,20 +138,14 @@ async def _hpas(api: KubeApi, svc: ServiceSpec) -> list[dict[str, Any]]:
         return []
 
 
-def _legacy(obj: dict[str, Any]) -> bool:
-    """From before generations: its Deployments and the `<name>-engine` ConfigMap their pods mount."""
-    return names.LABEL_GENERATION not in ((obj.get("metadata") or {}).get("labels") or {})
-
-
 async def _generations(api: KubeApi, svc: ServiceSpec) -> dict[str, gens.Generation]:
     return gens.group(await gens.list_worker_deployments(api, svc.namespace, svc.name), svc.uid)
 
 
 def _rollout_step(svc: ServiceSpec, replicas: RoleReplicas, current: str,
-                  found: dict[str, gens.Generation]) -> Step:
+                  found: dict[str, gens.Generation], old: list[gens.Generation]) -> Step:
     new = found[current].counts() if current in found else GenCounts(current, (0, 0), (0, 0))
-    old = [g.counts() for g in gens.old_generations(found, current)]
-    return step((replicas.prefill, replicas.decode), new, old, svc.rollout_of(names.PREFILL),
+    return step((replicas.prefill, replicas.decode), new, [g.counts() for g in old], svc.rollout_of(names.PREFILL),
                 svc.rollout_of(names.DECODE), svc.autoscaling.ratio_min, svc.autoscaling.ratio_max)
 
 
@@ -171,6 +164,26 @@ async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[s
     view = ClusterView(current, tuple((g.name, g.counts().replicas) for g in old),
                        tuple(d for g in found.values() for d in g.deployments.values()), pod_problems(pods))
     return observed, view
+
+
+async def _converge(api: KubeApi, svc: ServiceSpec, replicas: RoleReplicas, current: str,
+                    policy: OperatorPolicy, memory: ServiceMemory, logger: Any, *, timer: bool,
+                    prune_strays: bool) -> list[dict[str, Any]]:
+    """One rollout step: apply the current generation's children at the step's counts, scale
+    and retire old generations, prune strays. Returns the children applied."""
+    found = await _generations(api, svc)
+    old = gens.old_generations(found, current)
+    moved = _rollout_step(svc, replicas, current, found, old)
+    children = desired_children(svc, replicas, current, policy, new=moved.new)
+    await _prefer_idle_pods(api, svc, found.get(current), moved.new, memory, logger)
+    await _apply_all(api, children, memory, force=not timer or not moved.done)
+    await gens.scale_old(api, old, moved)
+    for removed in await gens.retire(api, svc.namespace, svc.name, old):
+        logger.info(f"retired {removed}")
+    if prune_strays:
+        for removed in await prune(api, svc, children, [g for g in old if not g.empty()]):
+            logger.info(f"pruned {removed}")
+    return children
 
 
 async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memory: ServiceMemory,
@@ -219,19 +232,8 @@ async def _sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memor
                 status_in["autoscaler"] = auto_section
         replicas: RoleReplicas = desired_replicas(svc, status_in, external)
         current = generation_of(svc)
-        found = await _generations(api, svc)
-        moved = _rollout_step(svc, replicas, current, found)
-        children = desired_children(svc, replicas, current, policy, new=moved.new)
-        await _prefer_idle_pods(api, svc, found.get(current), moved.new, memory, logger)
-        await _apply_all(api, children, memory, force=not autoscale or not moved.done)
-        old = gens.old_generations(found, current)
-        await gens.scale_old(api, old, moved)
-        for removed in await gens.retire(api, svc.namespace, svc.name, old):
-            logger.info(f"retired {removed}")
-        if prune_strays:
-            living = {g.name for g in old if not g.empty()}
-            for removed in await prune(api, svc, children, living):
-                logger.info(f"pruned {removed}")
+        children = await _converge(api, svc, replicas, current, policy, memory, logger,
+                                   timer=autoscale, prune_strays=prune_strays)
         observed, view = await _observe(api, svc, current)
         if not all(o.exists for o in observed.values()):  # someone deleted a Deployment: repair now
             await _apply_all(api, children, memory, force=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from operator_support import EXAMPLES_DIR, example_paths, load_example
+from operator_support import CHART_DIR, EXAMPLES_DIR, example_paths, load_example
 
 
 @pytest.fixture(params=example_paths(), ids=lambda p: p.stem)
@@ -30,3 +31,11 @@ def kubectl() -> str:
     if path is None:
         pytest.skip("kubectl is not on PATH (expected at /usr/bin/kubectl on project machines)")
     return path
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    """The Helm chart, loaded once per module (helm-python-sdk; the module skips without it)."""
+    helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
+    with helm.Chart.load(str(CHART_DIR)) as loaded:
+        yield loaded

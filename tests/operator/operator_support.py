@@ -67,3 +67,10 @@ def short_name(child: dict[str, Any]) -> str:
 
 def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     return {(c["kind"], short_name(c)): c for c in children}
+
+
+def render_chart(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every document the chart renders with these values (release tandem, namespace tandem-system)."""
+    files = chart.render(values, name="tandem", namespace="tandem-system")
+    return [d for path, text in sorted(files.items()) if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]

@@ -8,13 +8,13 @@ RBAC is in test_operator_rbac.py.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 from operator_support import CHART_DIR, KUBE_VERSIONS, kube_validate
+from operator_support import render_chart as render
 
 from tandem.operator.cli import register
 from tandem.operator.crd import build_crds
@@ -27,21 +27,6 @@ MONITORS = {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"r
 STANDALONE = {"leaderElection": {"enabled": False}}
 NOT_BUILT_IN = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
 KEEP = "helm.sh/resource-policy"
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(str(CHART_DIR)) as loaded:
-        yield loaded
-
-
-def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    files = chart.render(values, name="tandem", namespace="tandem-system")
-    docs: list[dict[str, Any]] = []
-    for path, text in sorted(files.items()):
-        if path.endswith(".yaml"):
-            docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
 
 
 def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

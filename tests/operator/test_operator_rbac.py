@@ -12,12 +12,11 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
-from operator_support import CHART_DIR, example_paths, load_example
+from operator_support import example_paths, load_example
+from operator_support import render_chart as render
 
 import tandem.operator as operator_pkg
 from tandem.operator import names
@@ -25,7 +24,7 @@ from tandem.operator.kubeapi import PLURALS
 from tandem.operator.policy import OperatorPolicy
 from tandem.operator.reconcile import CHILD_KINDS, reconcile
 
-helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
+pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
 
 Key = tuple[str, str]  # (apiGroup, resource)
 CHILD = {"get", "list", "create", "patch", "delete"}  # apply = create + patch; pruning = list + delete
@@ -55,18 +54,6 @@ METHOD_VERBS = {"apply": {"create", "patch"}, "merge_patch": {"patch"}, "get": {
                 "delete": {"delete"}}
 NAMESPACED = {"watch": {"allNamespaces": False, "namespaces": ["serving", "research"]}}
 STANDALONE = {"leaderElection": {"enabled": False}}
-
-
-@pytest.fixture(scope="module")
-def chart() -> Iterator[Any]:
-    with helm.Chart.load(str(CHART_DIR)) as loaded:
-        yield loaded
-
-
-def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    files = chart.render(values, name="tandem", namespace="tandem-system")
-    return [d for path, text in sorted(files.items()) if path.endswith(".yaml")
-            for d in yaml.safe_load_all(text) if d]
 
 
 def grants(rules: list[dict[str, Any]]) -> dict[Key, set[str]]:
