@@ -9,14 +9,16 @@ while it drains. A prefill pod's bootstrap port is its container port named `boo
 its model generation (the label the operator sets) pairs it only with decode pods of the
 same generation.
 
-`apply(event, pod)` is pure bookkeeping over plain dicts (the API's JSON), so tests replay
-recorded pod events through it; `run()` lists and watches with the `kubernetes` client.
+`apply(event, pod)` and `sync(pods)` (a full list) are pure bookkeeping over plain dicts (the
+API's JSON), so tests replay recorded pod events through them; `run()` lists and watches with the
+`kubernetes` client, and relists whenever a watch ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
@@ -24,11 +26,17 @@ from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
 from tandem.worker_contract import BOOTSTRAP_PORT_NAME, GENERATION_LABEL, HTTP_PORT, HTTP_PORT_NAME
 
 log = logging.getLogger(__name__)
+LISTED = "LISTED"  # not a watch event: a full list of one role's pods, from a (re)list
 
 
 def _ready(pod: dict[str, Any]) -> bool:
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _uid(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or meta.get("name", ""))
 
 
 def _port(pod: dict[str, Any], name: str) -> int | None:
@@ -44,20 +52,20 @@ class PodDiscovery:
                  on_remove: Any = lambda url: None) -> None:
         self.workers, self.namespace, self.selectors = workers, namespace, selectors
         self.on_remove = on_remove
-        self.by_pod: dict[str, str] = {}  # pod uid -> worker url
+        self.by_pod: dict[str, tuple[str, str]] = {}  # pod uid -> (role, worker url)
 
     def apply(self, event: str, pod: dict[str, Any], role: str) -> None:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        uid = meta.get("uid") or meta.get("name", "")
+        uid = _uid(pod)
         ip = status.get("podIP")
         live = event != "DELETED" and not meta.get("deletionTimestamp") and _ready(pod) and bool(ip)
-        old = self.by_pod.get(uid)
+        old = self.by_pod[uid][1] if uid in self.by_pod else None
         if not live:
             if old is not None:
                 del self.by_pod[uid]
                 self.workers.remove(old)
                 self.on_remove(old)
-                log.info("pod %s left the %s pool (%s)", meta.get("name"), role, event)
+                log.info("pod %s left the %s pool (%s)", meta.get("name", uid), role, event)
             return
         url = f"http://{ip}:{_port(pod, HTTP_PORT_NAME) or HTTP_PORT}"
         if old is not None and old != url:
@@ -70,40 +78,74 @@ class PodDiscovery:
         self.workers.add(Worker(url, role, bootstrap, generation))
         if old is None:
             log.info("pod %s joined the %s pool at %s", meta.get("name"), role, url)
-        self.by_pod[uid] = url
+        self.by_pod[uid] = (role, url)
+
+    def sync(self, pods: list[dict[str, Any]], role: str) -> None:
+        """A (re)list is the whole truth for its role: a pod deleted while no watch was open
+        (the API server restarted, the watch expired) sent no DELETED event to us, and without
+        this it would stay a worker forever."""
+        for pod in pods:
+            self.apply("ADDED", pod, role)
+        listed = {_uid(pod) for pod in pods}
+        for uid in [u for u, (r, _) in self.by_pod.items() if r == role and u not in listed]:
+            self.apply("DELETED", {"metadata": {"uid": uid}}, role)
 
     async def run(self) -> None:
         """List, then watch each role's pods (the client is synchronous: one thread per role)."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue[tuple[str, Any, str]] = asyncio.Queue()
+        stop = threading.Event()
         for role, selector in self.selectors.items():
-            threading.Thread(target=self._watch, args=(role, selector, loop, events), daemon=True).start()
-        while True:
-            event, pod, role = await events.get()
-            self.apply(event, pod, role)
+            threading.Thread(target=self._watch, args=(role, selector, loop, events, stop), daemon=True,
+                             name=f"pod-watch-{role}").start()
+        try:
+            while True:
+                event, payload, role = await events.get()
+                if event == LISTED:
+                    self.sync(payload, role)
+                else:
+                    self.apply(event, payload, role)
+        finally:
+            # A blocking read cannot be interrupted: a thread sees this at its watch's next event
+            # or end (timeout_seconds) and exits instead of feeding a loop that may be gone.
+            stop.set()
 
-    def _watch(self, role: str, selector: str, loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+    def _watch(self, role: str, selector: str, loop: asyncio.AbstractEventLoop, events: asyncio.Queue,
+               stop: threading.Event) -> None:
         from kubernetes import client, config, watch
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        api = client.CoreV1Api()
-        while True:
+        def put(event: str, payload: Any) -> None:
+            if not stop.is_set():
+                loop.call_soon_threadsafe(events.put_nowait, (event, payload, role))
+
+        while not stop.is_set():
             try:
-                pods = api.list_namespaced_pod(self.namespace, label_selector=selector)
-                for item in pods.items:
-                    pod = api.api_client.sanitize_for_serialization(item)
-                    loop.call_soon_threadsafe(events.put_nowait, ("ADDED", pod, role))
-                stream = watch.Watch().stream(api.list_namespaced_pod, self.namespace, label_selector=selector,
-                                              resource_version=pods.metadata.resource_version, timeout_seconds=300)
-                for ev in stream:
-                    pod = api.api_client.sanitize_for_serialization(ev["object"])
-                    loop.call_soon_threadsafe(events.put_nowait, (ev["type"], pod, role))
-            except Exception as exc:  # the API server restarts, a watch expires: list and watch again
-                log.warning("pod watch for %s ended (%s); restarting", role, exc)
-                threading.Event().wait(2.0)
+                # Inside the loop: a thread that died on a missing config would end discovery silently.
+                try:
+                    config.load_incluster_config()
+                except config.ConfigException:
+                    # $KUBECONFIG read now: the client's own default is read once, at its import.
+                    config.load_kube_config(os.environ.get("KUBECONFIG"))
+                with client.ApiClient() as api_client:  # closes its connection pool, whatever ends the watch
+                    api = client.CoreV1Api(api_client)
+                    pods = api.list_namespaced_pod(self.namespace, label_selector=selector)
+                    put(LISTED, [api_client.sanitize_for_serialization(item) for item in pods.items])
+                    stream = watch.Watch().stream(api.list_namespaced_pod, self.namespace, label_selector=selector,
+                                                  resource_version=pods.metadata.resource_version, timeout_seconds=300)
+                    for ev in stream:
+                        if stop.is_set():
+                            return
+                        put(ev["type"], api_client.sanitize_for_serialization(ev["object"]))
+                # The server ended the watch (timeout_seconds): list and watch again.
+            except Exception as exc:  # the API server restarts, the watch expires (410): list and watch again
+                if stop.is_set():
+                    return
+                expired = isinstance(exc, client.ApiException) and exc.status == 410
+                # 410 Gone is routine (the resource version is too old): relist at once, as the client documents.
+                log.log(logging.INFO if expired else logging.WARNING, "pod watch for %s ended (%s); restarting",
+                        role, exc)
+                if not expired:
+                    stop.wait(2.0)
 
 
 def role_selectors(selector: str | None, prefill: str | None, decode: str | None) -> dict[str, str]:

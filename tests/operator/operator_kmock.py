@@ -11,8 +11,9 @@ This subclass adds what kopf, kubectl and our operator rely on and kmock leaves 
 | server-side apply on a missing object is a 404    | treats it as a create, like the API server     |
 | no garbage collection                             | deletes objects whose controller owner is gone |
 | request matching scans the whole request history  | keeps only the last few requests               |
+| no label selectors                                | equality ones (k=v, k==v, k!=v) on list, watch |
 
-It still does no label selectors, strategic merge, schema validation or 409s; tests
+It still does no set-based selectors, strategic merge, schema validation or 409s; tests
 must not rely on those. Besides InferenceServices it serves RoleScalers and kopf's peering
 resources (kopf.dev/v1), so the operator runs with --peering as the chart runs it. The polling
 and /metrics helpers at the end are shared by the end-to-end tests.
@@ -24,6 +25,7 @@ import asyncio
 import copy
 import datetime
 import json
+import re
 import socket
 import threading
 import time
@@ -46,6 +48,18 @@ ROLESCALER_RESOURCE = "tandem.dev/v1alpha1/rolescalers"
 # merge-patches them, which kmock does.
 CLUSTER_PEERING_RESOURCE = "kopf.dev/v1/clusterkopfpeerings"
 PEERING_RESOURCE = "kopf.dev/v1/kopfpeerings"
+
+
+def selected(selector: str | None, obj: dict[str, Any]) -> bool:
+    """Whether an object's labels match an equality-based label selector (what our code sends)."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        match = re.fullmatch(r"([^!=]+)(!=|==|=)(.*)", term)
+        assert match is not None, f"unsupported label selector term {term!r}"
+        key, op, value = match.groups()
+        if (labels.get(key) == value) != (op != "!="):
+            return False
+    return True
 
 
 def _merge(base: Any, patch: Any) -> Any:
@@ -122,7 +136,14 @@ class StampingEmulator(kmock.KubernetesEmulator):
         group = request.resource.group
         payload["kind"] = f"{info.kind}List"
         payload["apiVersion"] = f"{group}/{request.resource.version}" if group else request.resource.version
+        payload["items"] = [i for i in payload["items"] if selected(request.params.get("labelSelector"), i)]
         return payload
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        selector = request.params.get("labelSelector")
+        async for event in super()._serve_watch(request):
+            if not isinstance(event, dict) or event.get("type") == "ERROR" or selected(selector, event["object"]):
+                yield event
 
     async def _collect_garbage(self) -> None:
         """Delete every object whose controller owner no longer exists, until nothing changes."""
@@ -199,6 +220,35 @@ class KmockCluster:
         }
         path.write_text(json.dumps(config))
         return path
+
+    def _call(self, fn: Callable[[StampingEmulator], Any]) -> Any:
+        """Run a coroutine function on the emulator's own loop and return its result."""
+        assert self.emulator is not None and self._loop is not None
+        return asyncio.run_coroutine_threadsafe(fn(self.emulator), self._loop).result(10)
+
+    def expire_watches(self, resource: str, namespace: str) -> None:
+        """Send every open watch of a resource in a namespace a 410 Gone ERROR event, as the API
+        server does when a watch's resource version is too old: a client must list again."""
+        gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
+                                            "reason": "Expired", "message": "too old resource version",
+                                            "metadata": {"namespace": namespace}}}  # kmock routes by namespace
+
+        async def put(emulator: StampingEmulator) -> None:
+            for res, bus in list(emulator._buses.items()):
+                if str(res) == str(kmock.resource(resource)):
+                    await bus.put(gone)
+
+        self._call(put)
+
+    def lose(self, resource: str, namespace: str, name: str) -> None:
+        """Delete an object without a DELETED event: what a client misses while its watch is down."""
+        async def delete(emulator: StampingEmulator) -> None:
+            async with emulator._lock:
+                for (res, ns, n), obj in emulator.objects.items():
+                    if str(res) == str(kmock.resource(resource)) and (ns, n) == (namespace, name):
+                        obj.delete()
+
+        self._call(delete)
 
     def live(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         """Snapshot of live objects of one resource, read on the emulator's own loop."""
