@@ -4,7 +4,8 @@
     python bench/router.py cache --rounds 2        # 4 real tiny workers
 
 overhead: two fake workers (TTFT 20 ms, 16 tokens 5 ms apart). Sequential /generate
-    requests straight to a worker and through each router give the added p50/p99 latency;
+    requests straight to a worker and through each router, interleaved (direct, one router,
+    the other, in turn), give the added p50/p99 latency;
     `--concurrency` requests at once give the most requests per second each router carries.
 cache: a multi-tenant workload (8 tenants, each a ~600-token system prompt, then a short
     question; 128 requests, 8 at a time) over 4 workers behind each router's cache_aware
@@ -65,14 +66,18 @@ def _routers(model: str, urls: list[str], policy: str) -> tuple[Worker, str, sub
     return ours, ours_url, sgl, sgl_url
 
 
-async def _latencies(url: str, n: int) -> list[float]:
+async def _latencies(urls: dict[str, str], n: int) -> dict[str, list[float]]:
+    """n sequential requests to each target, interleaved (one to each in turn): drift in the
+    machine's speed over the run falls on every target alike instead of on whichever ran then."""
+    out: dict[str, list[float]] = {name: [] for name in urls}
     async with httpx.AsyncClient(timeout=60) as c:
-        out = []
         for i in range(n):
-            t0 = time.perf_counter()
-            (await c.post(url + "/generate", json={"text": f"ping {i}", "sampling_params": SP})).raise_for_status()
-            out.append(time.perf_counter() - t0)
-        return out
+            for name, url in urls.items():
+                t0 = time.perf_counter()
+                body = {"text": f"ping {i}", "sampling_params": SP}
+                (await c.post(url + "/generate", json=body)).raise_for_status()
+                out[name].append(time.perf_counter() - t0)
+    return out
 
 
 async def _rate(url: str, n: int, concurrency: int) -> float:
@@ -106,9 +111,8 @@ def overhead(args: argparse.Namespace) -> dict:
         try:
             for r in range(args.rounds):
                 order = [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]
-                row: dict = {"direct": asyncio.run(_latencies(urls[0], args.requests))}
+                row: dict = asyncio.run(_latencies({"direct": urls[0], **dict(order)}, args.requests))
                 for name, url in order:
-                    row[name] = asyncio.run(_latencies(url, args.requests))
                     row[f"{name}_rps"] = asyncio.run(_rate(url, args.load, args.concurrency))
                 d50, d99 = _pct(row["direct"], 0.5), _pct(row["direct"], 0.99)
                 summary = {"round": r}

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import httpx
 from fastapi import FastAPI
 
@@ -26,6 +25,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Policy
 from tandem.router.proxy import Proxy, ProxyConfig
 from tandem.router.tokenizer import ByteTokenizer, RouterTokenizer, load_tokenizer
+from tandem.router.upstream import Upstream
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Breaker, Worker, WorkerSet
 from tandem.server import errors
 from tandem.server.security import Guard
@@ -76,9 +76,8 @@ def build_app(cfg: RouterConfig) -> Any:
     proxied request skips FastAPI's whole middleware stack, not only its routing."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=cfg.request_timeout)
-        async with (httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0)) as client,
-                    aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session):
+        session = Upstream(connect_timeout=5.0, read_timeout=cfg.request_timeout)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0)) as client:
             ws = _workers(cfg)
             metrics = RouterMetrics()
             policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
@@ -106,6 +105,7 @@ def build_app(cfg: RouterConfig) -> Any:
             finally:
                 for t in tasks:
                     t.cancel()
+                await session.close()
 
     app = FastAPI(title="tandem router", version="0.1.0", lifespan=lifespan)
     errors.install(app)

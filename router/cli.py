@@ -71,6 +71,8 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.router.app import build_app
+    from tandem.server.coalesced_http import http_protocol
 
-    uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
+    uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10,
+                proxy_headers=False, access_log=False, http=http_protocol())
     return 0

@@ -42,12 +42,16 @@ class FastPath:
     async def _answer(self, request: Request, model: Any, build: Any) -> Response:
         state = self.owner.state.router
         try:
+            data = await request.body()
             try:
-                raw = json.loads(await request.body())
+                raw = json.loads(data)
             except (ValueError, UnicodeDecodeError) as exc:
                 return error_response(400, f"the body is not valid JSON: {exc}", "invalid_request")
             body = model.model_validate(raw)
-            return await routes.run(request, state, await build(state, body, raw))
+            job = await build(state, body, raw)
+            if job.body is raw:
+                job.raw = data  # forwarded as it came: no second encoding
+            return await routes.run(request, state, job)
         except ValidationError as exc:
             message, param = validation_message(RequestValidationError(exc.errors()))
             return error_response(400, message, "invalid_request", param)

@@ -59,6 +59,7 @@ HALF_LIFE = 16  # picks per worker in the pool: volumes follow the tenants there
 YOUNG = 16  # picks per worker: how long a new group counts as an average one
 MAX_GROUPS = 1 << 14  # groups remembered (LRU)
 POLICIES = ("round_robin", "random", "least_requests", "least_tokens", "power_of_two", "cache_aware")
+TOKEN_POLICIES = frozenset({"least_tokens", "power_of_two", "cache_aware"})  # read prompt token ids
 
 
 @dataclass

@@ -31,13 +31,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policies import Policy
+from tandem.router.policies import TOKEN_POLICIES, Policy
 from tandem.router.prefix_index import block_names
+from tandem.router.upstream import Upstream, UpstreamError, UpstreamResponse
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
 from tandem.server.errors import ApiError, error_body
 
@@ -52,6 +52,9 @@ class Job:
     done: Callable[[], None] = lambda: None  # called once its answer is over (a stream: its last byte)
     # Returns once the client has gone; set for streams, whose wait for capacity nothing else cancels.
     disconnected: Callable[[], Awaitable[Any]] | None = None
+    raw: bytes | None = None  # the client's body as it came, when `body` is it unchanged: sent as is
+    # Not tokenized (routed by load alone): the prompt tokens are counted from the worker's answer.
+    count_prompt: bool = False
 
 
 @dataclass(eq=False)
@@ -74,12 +77,17 @@ class ProxyConfig:
 
 class Proxy:
     def __init__(self, cfg: ProxyConfig, workers: WorkerSet, policies: dict[str, Policy],
-                 metrics: RouterMetrics, client: aiohttp.ClientSession, capacity: CapacityWait | None = None) -> None:
+                 metrics: RouterMetrics, client: Upstream, capacity: CapacityWait | None = None) -> None:
         self.cfg, self.workers, self.policies, self.metrics, self.client = cfg, workers, policies, metrics, client
         self.capacity = capacity if capacity is not None else CapacityWait(workers, metrics)  # default: off
 
     def pd_mode(self) -> bool:
         return self.cfg.pd or PREFILL in self.workers.roles()
+
+    def needs_ids(self) -> bool:
+        """Whether routing reads the prompt's token ids: cache_aware and token-load policies do,
+        and PD does (how much of the prompt decode holds decides whether prefill is needed)."""
+        return self.pd_mode() or self.policies[COLOCATED].name in TOKEN_POLICIES
 
     async def handle(self, job: Job) -> Response:
         tried: set[str] = set()
@@ -191,12 +199,16 @@ class Proxy:
     async def _prefill(self, route: Route, job: Job) -> None:
         assert route.prefill is not None
         p = route.prefill
+        r = None
         try:
-            async with self.client.post(p.url + job.path, json={**route.body, "stream": False}) as r:
-                await r.read()
-                (p.breaker.on_fault if r.status >= 500 else p.breaker.on_success)()
-        except (aiohttp.ClientError, TimeoutError):
+            r = await self.client.post(p.url + job.path, _encode({**route.body, "stream": False}))
+            await r.read()
+            (p.breaker.on_fault if r.status >= 500 else p.breaker.on_success)()
+        except (UpstreamError, TimeoutError):
             p.breaker.on_fault()
+        finally:
+            if r is not None:
+                r.close()  # cancelled (the decode side ended first, or the client left): the worker aborts
 
     async def _attempt(self, job: Job, route: Route) -> Response | tuple[int, str]:
         release = self._hold(route, job)
@@ -205,14 +217,15 @@ class Proxy:
         streaming = False
         try:
             try:
-                resp = await self.client.post(route.main.url + job.path, json=route.body)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                body = job.raw if route.body is job.body and job.raw is not None else _encode(route.body)
+                resp = await self.client.post(route.main.url + job.path, body)
+            except (UpstreamError, TimeoutError) as exc:
                 route.main.breaker.on_fault()
                 return 503, f"worker {route.main.url} unreachable: {type(exc).__name__}"
             if resp.status >= 500 or resp.status in (408, 429):
                 try:
                     text = (await resp.read()).decode(errors="replace")
-                except (aiohttp.ClientError, TimeoutError):
+                except (UpstreamError, TimeoutError):
                     text = ""
                 resp.close()
                 if resp.status != 429:  # 429: busy, not broken
@@ -223,13 +236,15 @@ class Proxy:
             if not job.stream or not media.startswith("text/event-stream"):
                 try:
                     content = await resp.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:  # died before answering: nothing sent yet
+                except (UpstreamError, TimeoutError) as exc:  # died before answering: nothing sent yet
                     route.main.breaker.on_fault()
                     return 503, f"worker {route.main.url} failed mid-answer: {type(exc).__name__}"
                 finally:
                     resp.release()
                 self.metrics.latency.observe(time.monotonic() - t0)
                 self.metrics.generation_tokens.inc(output_tokens(content, 0))
+                if job.count_prompt:
+                    self.metrics.prompt_tokens.inc(output_tokens(content, 0, key=_PROMPT_TOKENS))
                 return Response(content, status_code=resp.status, media_type=media)
             streaming = True
             return StreamingResponse(self._relay(job, resp, route, release, prefill, t0), status_code=resp.status,
@@ -240,19 +255,21 @@ class Proxy:
                 if prefill is not None and not prefill.done():
                     prefill.cancel()
 
-    async def _relay(self, job: Job, resp: aiohttp.ClientResponse, route: Route, release: Callable[[], None],
+    async def _relay(self, job: Job, resp: UpstreamResponse, route: Route, release: Callable[[], None],
                      prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
-        last, events, usage = None, 0, None
+        last, events, usage, prompt = None, 0, None, None
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_any():
                 now = time.monotonic()
                 (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
                 last = now
                 events += chunk.count(b"data: {")
                 if b"completion_tokens" in chunk:  # the usage chunk, last before [DONE]
                     usage = output_tokens(chunk, usage, last=True)
+                if job.count_prompt and prompt is None:
+                    prompt = output_tokens(chunk, None, last=True, key=_PROMPT_TOKENS)
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
+        except (UpstreamError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
             route.main.breaker.on_fault()
             err = error_body(503, f"worker {route.main.url} failed mid-stream ({type(exc).__name__}); "
                                   "the answer is incomplete", code="worker_failed")
@@ -260,6 +277,8 @@ class Proxy:
         finally:
             self.metrics.latency.observe(time.monotonic() - t0)
             self.metrics.generation_tokens.inc(usage if usage is not None else events)
+            if prompt is not None:
+                self.metrics.prompt_tokens.inc(prompt)
             resp.close()  # a stream cut short (client gone) closes the connection: the worker aborts
             release()
             job.done()
@@ -267,14 +286,20 @@ class Proxy:
                 prefill.cancel()
 
 
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
-def output_tokens(body: bytes, default: int | None, last: bool = False) -> int | None:
+def output_tokens(body: bytes, default: int | None, last: bool = False,
+                  key: re.Pattern[bytes] = _COMPLETION_TOKENS) -> int | None:
     """completion_tokens from an OpenAI usage or SGLang meta_info in `body`; `default` without.
     A whole response sums them (/generate with n > 1 answers one object per choice); a stream
     takes the last, since /generate's events carry a running count."""
-    found = _COMPLETION_TOKENS.findall(body)
+    found = key.findall(body)
     if not found:
         return default
     return int(found[-1]) if last else sum(int(x) for x in found)

@@ -193,6 +193,7 @@ def test_pd_pairs_only_one_generation() -> None:
 
     from tandem.router.metrics import RouterMetrics
     from tandem.router.proxy import Job, Proxy, ProxyConfig
+    from tandem.router.upstream import Upstream
     from tandem.router.workers import COLOCATED, DECODE, PREFILL, WorkerSet
 
     ws = WorkerSet()
@@ -200,7 +201,7 @@ def test_pd_pairs_only_one_generation() -> None:
     ws.add(Worker("http://p-new:8000", PREFILL, 8998, "new"))
     ws.add(Worker("http://d-new:8000", DECODE, None, "new"))
     policies = {r: Policy("round_robin") for r in (COLOCATED, PREFILL, DECODE)}
-    proxy = Proxy(ProxyConfig(local_prefill_threshold=0), ws, policies, RouterMetrics(), httpx.AsyncClient())
+    proxy = Proxy(ProxyConfig(local_prefill_threshold=0), ws, policies, RouterMetrics(), Upstream())
     for _ in range(4):
         route = proxy.choose(Job("/generate", {"text": "x"}, list(range(64)), 100, False), set())
         assert route.prefill.url == "http://p-new:8000" and route.body["bootstrap_host"] == "p-new"

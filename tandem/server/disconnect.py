@@ -16,21 +16,27 @@ T = TypeVar("T")
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it if the client disconnects first (non-streaming
-    responses: Starlette only watches for disconnects while streaming)."""
-    task = asyncio.ensure_future(work)
+    responses: Starlette only watches for disconnects while streaming).
 
-    async def disconnected() -> None:
+    The work runs in the caller's task and a watcher cancels that task: one task per request
+    instead of two plus an asyncio.wait, a loop turn less on every proxied request."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        current.cancel()
 
-    watch = asyncio.create_task(disconnected())
+    watcher = asyncio.create_task(watch())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if gone and current.uncancel() == 0:  # our cancel, and no one else's pending
+            raise ApiError(400, "the client disconnected") from None  # nobody reads this; it ends the handler
+        raise
     finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
-        raise ApiError(400, "the client disconnected")  # nobody reads this; it ends the handler
-    return task.result()
-
-
+        watcher.cancel()

@@ -1,4 +1,5 @@
-"""The server process: uvicorn (uvloop and httptools where installed) around the app.
+"""The server process: uvicorn (uvloop, and httptools with coalesced writes, where installed)
+around the app.
 
 SIGTERM (and a first Ctrl-C) drains: readiness turns false, in-flight requests get
 --drain-timeout seconds, the rest are aborted, the KV pool is checked, then uvicorn
@@ -14,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from tandem.server.app import build_app
+from tandem.server.coalesced_http import http_protocol
 from tandem.server.config import ServerConfig
 
 log = logging.getLogger("tandem.server")
@@ -48,6 +50,7 @@ class DrainingServer(uvicorn.Server):
 def run(config: ServerConfig) -> int:
     app = build_app(config)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5), app)
+                                           timeout_graceful_shutdown=5, access_log=False,
+                                           http=http_protocol()), app)
     server.run()
     return 0 if server.started else 1
