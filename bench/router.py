@@ -6,7 +6,8 @@
 overhead: two fake workers (TTFT 20 ms, 16 tokens 5 ms apart). Sequential /generate
     requests straight to a worker and through each router, interleaved (direct, one router,
     the other, in turn), give the added p50/p99 latency;
-    `--concurrency` requests at once give the most requests per second each router carries.
+    `--concurrency` requests at once give the most requests per second each router carries
+    (in alternating slices, A B B A).
 cache: a multi-tenant workload (8 tenants, each a ~600-token system prompt, then a short
     question; 128 requests, 8 at a time) over 4 workers behind each router's cache_aware
     policy. Prefix-cache hit rate = cached prompt tokens / prompt tokens, from the workers'
@@ -55,11 +56,12 @@ def _ours(model: str, urls: list[str], policy: str) -> tuple[Worker, str]:
     return r, r.url
 
 
-def _routers(model: str, urls: list[str], policy: str) -> tuple[Worker, str, subprocess.Popen, str]:
+def _routers(model: str, urls: list[str], policy: str,
+             sglang_args: tuple[str, ...] = ()) -> tuple[Worker, str, subprocess.Popen, str]:
     """Both routers in front of `urls`; ours is stopped again if sglang-router fails to start."""
     ours, ours_url = _ours(model, urls, policy)
     try:
-        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", policy)
+        sgl, sgl_url = sglang_router("--worker-urls", *urls, "--policy", policy, *sglang_args)
     except BaseException:
         ours.stop()
         raise
@@ -94,6 +96,17 @@ async def _rate(url: str, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
+def _rates(urls: dict[str, str], n: int, concurrency: int, slices: int = 4) -> dict[str, float]:
+    """Requests per second of each target over n requests, sent in `slices` alternating slices
+    (A B B A ...): as with the latencies, drift over the run falls on both alike."""
+    spent = dict.fromkeys(urls, 0.0)
+    names = list(urls)
+    for k in range(slices):
+        for name in names if k % 2 == 0 else names[::-1]:
+            spent[name] += (n // slices) / asyncio.run(_rate(urls[name], n // slices, concurrency))
+    return {name: (n // slices) * slices / t for name, t in spent.items()}
+
+
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -112,8 +125,8 @@ def overhead(args: argparse.Namespace) -> dict:
             for r in range(args.rounds):
                 order = [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]
                 row: dict = asyncio.run(_latencies({"direct": urls[0], **dict(order)}, args.requests))
-                for name, url in order:
-                    row[f"{name}_rps"] = asyncio.run(_rate(url, args.load, args.concurrency))
+                for name, rps in _rates(dict(order), args.load, args.concurrency).items():
+                    row[f"{name}_rps"] = rps
                 d50, d99 = _pct(row["direct"], 0.5), _pct(row["direct"], 0.99)
                 summary = {"round": r}
                 for name in ("tandem", "sglang"):
@@ -175,7 +188,7 @@ def cache(args: argparse.Namespace) -> dict:
         for w in workers:
             w.wait_ready(600)
         urls = [w.url for w in workers]
-        ours, ours_url, sgl, sgl_url = _routers(args.model, urls, "cache_aware")
+        ours, ours_url, sgl, sgl_url = _routers(args.model, urls, "cache_aware", tuple(args.sglang_args.split()))
         try:
             for r in range(args.rounds):
                 prompts = _tenant_workload(r)
@@ -199,7 +212,8 @@ def cache(args: argparse.Namespace) -> dict:
         for w in workers:
             w.stop()
     keys = [k for k in rows[0] if k != "round" and not k.endswith("_served")]
-    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys}}
+    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys},
+            "sglang_args": args.sglang_args}
 
 
 def main() -> None:
@@ -210,13 +224,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--load", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--sglang-args", default="", help="cache: more sglang-router flags, e.g. its balance thresholds")
+    ap.add_argument("--out", default=None, help="results file (default docs/results/router_<experiment>.json)")
     args = ap.parse_args()
     if args.model is None:
         from tandem.engine.modelgen.model_builder import resolve_model
 
         args.model = str(resolve_model("tiny"))
     result = overhead(args) if args.experiment == "overhead" else cache(args)
-    out = ROOT / "docs/results" / f"router_{args.experiment}.json"
+    out = Path(args.out) if args.out else ROOT / "docs/results" / f"router_{args.experiment}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["median"], indent=1))
     print(f"wrote {out}")

@@ -20,6 +20,7 @@ request and frees its pages.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -183,6 +184,16 @@ class UpstreamResponse:
     release = close
 
 
+@functools.lru_cache(maxsize=4096)
+def _target(url: str, content_type: str) -> tuple[tuple[str, int], bytes]:
+    """(host, port) and the request's head up to its length, per URL: a worker's few routes are
+    parsed once, not on every request."""
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    start = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
+    return (parts.hostname or "127.0.0.1", parts.port or 80), start.encode("latin-1")
+
+
 class Upstream:
     def __init__(self, connect_timeout: float = 5.0, read_timeout: float = 600.0) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
@@ -191,13 +202,10 @@ class Upstream:
 
     async def post(self, url: str, body: bytes, content_type: str = "application/json") -> UpstreamResponse:
         """Send; return once the answer's status and headers are in."""
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or 80
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = (f"POST {target} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        key, start = _target(url, content_type)
+        head = start + b"Content-Length: %d\r\n\r\n" % len(body)
         for _ in range(2):
-            conn, reused = await self._connection((host, port))
+            conn, reused = await self._connection(key)
             answer = UpstreamResponse(conn, self.read_timeout)
             conn.answer = answer
             assert conn.transport is not None
