@@ -189,7 +189,6 @@ def test_discovery_follows_pod_events_and_drops_a_terminating_pod_at_once() -> N
 
 
 def test_pd_pairs_only_one_generation() -> None:
-    import httpx
 
     from tandem.router.metrics import RouterMetrics
     from tandem.router.proxy import Job, Proxy, ProxyConfig
