@@ -240,7 +240,7 @@ class Proxy:
                     route.main.breaker.on_fault()
                     return 503, f"worker {route.main.url} failed mid-answer: {type(exc).__name__}"
                 finally:
-                    resp.release()
+                    resp.close()
                 self.metrics.latency.observe(time.monotonic() - t0)
                 self.metrics.generation_tokens.inc(output_tokens(content, 0))
                 if job.count_prompt:

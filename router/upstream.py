@@ -34,6 +34,10 @@ class UpstreamError(Exception):
     """The worker could not be reached, or the connection broke before the answer was whole."""
 
 
+class _Lost(UpstreamError):
+    """The worker closed the connection."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; at most one request on it at a time."""
 
@@ -59,7 +63,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.pool._forget(self)
         if self.answer is not None and not self.answer.complete:
-            self._fail(UpstreamError("the worker closed the connection" + (f": {exc}" if exc else "")))
+            self._fail(_Lost("the worker closed the connection" + (f": {exc}" if exc else "")))
 
     # ---- httptools callbacks ---------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -181,8 +185,6 @@ class UpstreamResponse:
             self._conn.close()
         self._conn = None
 
-    release = close
-
 
 @functools.lru_cache(maxsize=4096)
 def _target(url: str, content_type: str) -> tuple[tuple[str, int], bytes]:
@@ -203,32 +205,32 @@ class Upstream:
     async def post(self, url: str, body: bytes, content_type: str = "application/json") -> UpstreamResponse:
         """Send; return once the answer's status and headers are in."""
         key, start = _target(url, content_type)
-        head = start + b"Content-Length: %d\r\n\r\n" % len(body)
-        for _ in range(2):
-            conn, reused = await self._connection(key)
-            answer = UpstreamResponse(conn, self.read_timeout)
-            conn.answer = answer
-            assert conn.transport is not None
-            conn.transport.write(head + body)  # one segment: the worker wakes once
-            try:
-                while not answer.started:
-                    await answer._wait()
-                return answer
-            except UpstreamError:
-                answer.close()
-                if not (reused and not answer.started):
-                    raise
-            except BaseException:  # a timeout, or the proxy cancelled: this connection is done
-                answer.close()
-                raise
-        raise AssertionError("unreachable")  # the second try uses a fresh connection, which raises
-
-    async def _connection(self, key: tuple[str, int]) -> tuple[_Connection, bool]:
+        request = start + b"Content-Length: %d\r\n\r\n" % len(body) + body
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
-                return conn, True
+            if conn.closed:
+                continue
+            try:
+                return await self._send(conn, request)
+            except _Lost:
+                break  # closed by the worker (idle) as we reused it: it never read the request
+        return await self._send(await self._connect(key), request)
+
+    async def _send(self, conn: _Connection, request: bytes) -> UpstreamResponse:
+        answer = UpstreamResponse(conn, self.read_timeout)
+        conn.answer = answer
+        assert conn.transport is not None
+        conn.transport.write(request)  # one segment: the worker wakes once
+        try:
+            while not answer.started:
+                await answer._wait()
+            return answer
+        except BaseException:  # broken, a timeout, or the proxy cancelled: this connection is done
+            answer.close()
+            raise
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -236,7 +238,7 @@ class Upstream:
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from None
         self._open.add(conn)
-        return conn, False
+        return conn
 
     def _give_back(self, conn: _Connection) -> None:
         if not conn.closed:
