@@ -3,7 +3,7 @@
     app.py          FastAPI wiring and the router's state
     fast_path.py    the proxied routes as plain ASGI, in front of FastAPI
     routes.py       OpenAI routes, /generate, health, metrics, the workers admin API
-    proxy.py        dispatch, retries, PD pairs, the streaming relay
+    proxy.py        dispatch, retries, PD pairs, the streaming relay;  reported.py: token counts, errors
     upstream.py     the HTTP/1.1 client to the workers (httptools, pooled keep-alive)
     policies.py     round_robin ... cache_aware;  prefix_index.py: what each worker has cached
     workers.py      workers, their load and circuit breakers;  health.py: active checks

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import TOKEN_POLICIES, Policy
 from tandem.router.prefix_index import block_names
+from tandem.router.reported import error_message, output_tokens, prompt_tokens
 from tandem.router.upstream import Upstream, UpstreamError, UpstreamResponse
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
 from tandem.server.errors import ApiError, error_body
@@ -53,8 +53,12 @@ class Job:
     # Returns once the client has gone; set for streams, whose wait for capacity nothing else cancels.
     disconnected: Callable[[], Awaitable[Any]] | None = None
     raw: bytes | None = None  # the client's body as it came, when `body` is it unchanged: sent as is
-    # Not tokenized (routed by load alone): the prompt tokens are counted from the worker's answer.
-    count_prompt: bool = False
+
+    def payload(self, body: dict[str, Any]) -> bytes:
+        """`body` as bytes for a worker: the client's own bytes when it is the body they became."""
+        if body is self.body and self.raw is not None:
+            return self.raw
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass(eq=False)
@@ -201,7 +205,7 @@ class Proxy:
         p = route.prefill
         r = None
         try:
-            r = await self.client.post(p.url + job.path, _encode({**route.body, "stream": False}))
+            r = await self.client.post(p.url + job.path, job.payload({**route.body, "stream": False}))
             await r.read()
             (p.breaker.on_fault if r.status >= 500 else p.breaker.on_success)()
         except (UpstreamError, TimeoutError):
@@ -217,8 +221,7 @@ class Proxy:
         streaming = False
         try:
             try:
-                body = job.raw if route.body is job.body and job.raw is not None else _encode(route.body)
-                resp = await self.client.post(route.main.url + job.path, body)
+                resp = await self.client.post(route.main.url + job.path, job.payload(route.body))
             except (UpstreamError, TimeoutError) as exc:
                 route.main.breaker.on_fault()
                 return 503, f"worker {route.main.url} unreachable: {type(exc).__name__}"
@@ -230,7 +233,7 @@ class Proxy:
                 resp.close()
                 if resp.status != 429:  # 429: busy, not broken
                     route.main.breaker.on_fault()
-                return resp.status, _message(text, resp.status)
+                return resp.status, error_message(text, resp.status)
             route.main.breaker.on_success()
             media = resp.headers.get("content-type", "application/json")
             if not job.stream or not media.startswith("text/event-stream"):
@@ -243,8 +246,8 @@ class Proxy:
                     resp.close()
                 self.metrics.latency.observe(time.monotonic() - t0)
                 self.metrics.generation_tokens.inc(output_tokens(content, 0))
-                if job.count_prompt:
-                    self.metrics.prompt_tokens.inc(output_tokens(content, 0, key=_PROMPT_TOKENS))
+                if not job.ids:  # not tokenized here: the worker's count
+                    self.metrics.prompt_tokens.inc(prompt_tokens(content, 0))
                 return Response(content, status_code=resp.status, media_type=media)
             streaming = True
             return StreamingResponse(self._relay(job, resp, route, release, prefill, t0), status_code=resp.status,
@@ -266,8 +269,8 @@ class Proxy:
                 events += chunk.count(b"data: {")
                 if b"completion_tokens" in chunk:  # the usage chunk, last before [DONE]
                     usage = output_tokens(chunk, usage, last=True)
-                if job.count_prompt and prompt is None:
-                    prompt = output_tokens(chunk, None, last=True, key=_PROMPT_TOKENS)
+                if not job.ids and prompt is None:  # not tokenized here: the worker's count
+                    prompt = prompt_tokens(chunk, None, last=True)
                 yield chunk
         except (UpstreamError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
             route.main.breaker.on_fault()
@@ -285,28 +288,3 @@ class Proxy:
             if prefill is not None and not prefill.done():
                 prefill.cancel()
 
-
-def _encode(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
-
-
-def output_tokens(body: bytes, default: int | None, last: bool = False,
-                  key: re.Pattern[bytes] = _COMPLETION_TOKENS) -> int | None:
-    """completion_tokens from an OpenAI usage or SGLang meta_info in `body`; `default` without.
-    A whole response sums them (/generate with n > 1 answers one object per choice); a stream
-    takes the last, since /generate's events carry a running count."""
-    found = key.findall(body)
-    if not found:
-        return default
-    return int(found[-1]) if last else sum(int(x) for x in found)
-
-
-def _message(text: str, status: int) -> str:
-    try:
-        return json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return text[:500] or f"worker answered {status}"

@@ -102,13 +102,13 @@ async def chat_job(state: Any, body: ChatCompletionRequest, raw: dict) -> Job:
 async def generate_job(state: Any, body: GenerateRequest, raw: dict) -> Job:
     """/generate goes to the workers as it came (text or ids). Text is tokenized only when routing
     reads ids (`Proxy.needs_ids`): with a load-only policy the worker's tokenization is the only
-    one, and the prompt tokens are counted from its answer."""
+    one, and the proxy counts the prompt tokens from its answer (a Job with no ids)."""
     first, budget = body.prompts()[0], body.sampling_params.max_new_tokens
     if isinstance(first, list) or state.proxy.needs_ids():
         ids = first if isinstance(first, list) else await _tokens(state, state.tokenizer.encode, first)
         return Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()), body.stream)
     estimate = len(first) // CHARS_PER_TOKEN + budget  # load only: least_requests breaks ties on it
-    return Job("/generate", raw, [], estimate * len(body.prompts()), body.stream, count_prompt=True)
+    return Job("/generate", raw, [], estimate * len(body.prompts()), body.stream)
 
 
 PROXIED: dict[str, tuple[type[BaseModel], Callable[[Any, Any, dict], Awaitable[Job]]]] = {

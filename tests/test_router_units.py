@@ -207,7 +207,7 @@ def test_pd_pairs_only_one_generation() -> None:
 
 
 def test_output_tokens_from_usage_and_meta_info():
-    from tandem.router.proxy import output_tokens
+    from tandem.router.reported import output_tokens
 
     body = b'{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}'
     assert output_tokens(body, 0) == 7
