@@ -48,14 +48,30 @@ def _serve(handler: Handler, test: Callable[[str, dict], Awaitable[None]]) -> di
     return stats
 
 
-async def _echo_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    while True:
-        try:
-            body = await _read_request(reader)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
-        writer.write(_answer(body))
-        await writer.drain()
+def _echo(extra: str = "") -> Handler:
+    """Answers every request on the connection with its own body (and `extra` headers)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                body = await _read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(_answer(body, extra))
+            await writer.drain()
+    return handler
+
+
+def _posts(n: int, pause: float = 0.0) -> Callable[[str, dict], Awaitable[None]]:
+    """A test that posts `{}` n times on one client, each answer read whole, `pause` s apart."""
+    async def test(url: str, stats: dict) -> None:
+        up = Upstream()
+        for _ in range(n):
+            r = await up.post(url + "/x", b"{}")
+            assert await r.read() == b"{}"
+            r.close()
+            await asyncio.sleep(pause)
+        await up.close()
+    return test
 
 
 def test_keep_alive_reuses_one_connection_and_sends_the_body():
@@ -68,7 +84,7 @@ def test_keep_alive_reuses_one_connection_and_sends_the_body():
             r.close()
         await up.close()
 
-    assert _serve(_echo_forever, test)["connections"] == 1
+    assert _serve(_echo(), test)["connections"] == 1
 
 
 def test_a_chunked_stream_arrives_piece_by_piece():
@@ -107,34 +123,18 @@ def test_a_connection_the_worker_closed_while_idle_is_replaced():
         writer.write(_answer(await _read_request(reader)))  # keep-alive by default, then closed anyway
         await writer.drain()
 
-    async def test(url: str, stats: dict) -> None:
-        up = Upstream()
-        for _ in range(3):
-            r = await up.post(url + "/x", b"{}")
-            assert await r.read() == b"{}"
-            r.close()
-            await asyncio.sleep(0.05)  # the close arrives while the connection is idle in the pool
-        await up.close()
-
-    assert _serve(one_answer_then_close, test)["connections"] == 3
+    # 0.05 s apart: the close arrives while the connection is idle in the pool.
+    assert _serve(one_answer_then_close, _posts(3, pause=0.05))["connections"] == 3
 
 
 def test_a_close_racing_the_reuse_is_retried_on_a_fresh_connection():
-    async def test(url: str, stats: dict) -> None:
-        up = Upstream()
-        for _ in range(2):
-            r = await up.post(url + "/x", b"{}")
-            assert await r.read() == b"{}"
-            r.close()
-        await up.close()
-
     async def answer_one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(_answer(await _read_request(reader)))
         await writer.drain()
         await reader.read(1)  # the next request's first byte: the connection was reused, then it closes
 
     # The second request is lost on the first connection and answered on the second.
-    assert _serve(answer_one_then_close, test)["connections"] == 2
+    assert _serve(answer_one_then_close, _posts(2))["connections"] == 2
 
 
 def test_closing_an_unfinished_answer_closes_the_connection():
@@ -201,25 +201,30 @@ def test_errors_connect_timeout_and_malformed():
     asyncio.run(refused())
 
 
-def test_connection_close_is_not_pooled():
-    async def close_header(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                body = await _read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            writer.write(_answer(body, "connection: close\r\n"))
-            await writer.drain()
+def test_after_a_lost_reuse_the_retry_opens_a_fresh_connection():
+    """Two pooled connections the worker has both dropped: the retry must not take the second."""
+    async def answer_one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await _read_request(reader)
+        await asyncio.sleep(0.05)  # both first requests in flight at once: two connections
+        writer.write(_answer(body))
+        await writer.drain()
+        await reader.read(1)
 
     async def test(url: str, stats: dict) -> None:
         up = Upstream()
-        for _ in range(2):
-            r = await up.post(url + "/x", b"{}")
+        for r in await asyncio.gather(*(up.post(url + "/x", b"{}") for _ in range(2))):
             assert await r.read() == b"{}"
             r.close()
+        r = await up.post(url + "/x", b"{}")
+        assert await r.read() == b"{}"
+        r.close()
         await up.close()
 
-    assert _serve(close_header, test)["connections"] == 2
+    assert _serve(answer_one_then_close, test)["connections"] == 3
+
+
+def test_connection_close_is_not_pooled():
+    assert _serve(_echo("connection: close\r\n"), _posts(2))["connections"] == 2
 
 
 class _Recorder:
