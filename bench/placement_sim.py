@@ -5,6 +5,8 @@ with simulated workers instead of servers. Deterministic (fixed seeds), no wall 
     python bench/placement_sim.py --zipf 1.0          # tenants drawn Zipf(1.0), not uniformly
     python bench/placement_sim.py --service parallel  # no queueing on a worker
     python bench/placement_sim.py --model DIR         # the model's tokenizer, not UTF-8 bytes
+    python bench/placement_sim.py --bounds            # balance with no copies: known volumes vs online
+    python bench/placement_sim.py --frontier          # hit rate vs balance as the volume bound relaxes
 
 Workload: bench/router.py's own `_tenant_workload(seed)` (imported: 8 tenants, each a
 300-word system prompt, drawn uniformly; 128 requests a round). `--zipf` rebuilds it with
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import importlib.util
+import itertools
 import random
 import statistics
 import subprocess
@@ -146,12 +149,12 @@ def run_round(pol, workers: list[Worker], prompts: list[Prompt], args: argparse.
 
 
 def measure(mod: types.ModuleType, n_workers: int, rounds: list[list[Prompt]],
-            args: argparse.Namespace) -> tuple[float, list[float]]:
+            args: argparse.Namespace, **policy: float) -> tuple[float, list[float]]:
     """(hit rate over all rounds, max/min served of each round): a fresh router per trial."""
     cached = total = 0
     loads = []
     for t in range(args.trials):
-        pol = mod.Policy("cache_aware", PrefixIndex(), seed=args.seed)
+        pol = mod.Policy("cache_aware", PrefixIndex(), seed=args.seed, **policy)
         workers = [Worker(f"http://w{i}") for i in range(n_workers)]
         rng = random.Random(args.seed + t)
         for prompts in rounds[t * args.rounds:(t + 1) * args.rounds]:
@@ -169,6 +172,36 @@ def ceiling(prompts: list[Prompt]) -> float:
     return cached / sum(len(ids) for ids, _ in prompts)
 
 
+def bounds(gen: Callable[[int], list[str]], rounds: int, workers: int = 4) -> None:
+    """Max/min requests served with no tenant ever on two workers (every hit kept), over the
+    workload's rounds: placed knowing each tenant's final volume (the best partition), dealt
+    evenly as tenants appear, and each new tenant to the worker that has served least so far."""
+    best, dealt, least = [], [], []
+    for seed in range(rounds):
+        tenant: dict[str, int] = {}
+        seq = [tenant.setdefault(p.split(" question ")[0], len(tenant)) for p in gen(seed)]
+        volume = [seq.count(t) for t in range(len(tenant))]
+        spread = lambda served: max(served) / max(1, min(served))  # noqa: E731
+        best.append(min(spread([sum(v for v, w in zip(volume, a) if w == k) for k in range(workers)])
+                        for a in itertools.product(range(workers), repeat=len(volume))))
+        dealt.append(spread([sum(v for t, v in enumerate(volume) if t % workers == k) for k in range(workers)]))
+        served, owner = [0] * workers, {}
+        for t in seq:
+            served[owner.setdefault(t, min(range(workers), key=served.__getitem__))] += 1
+        least.append(spread(served))
+    print(f"| no copies, {workers} workers, {rounds} rounds | median max/min | rounds over 1.3 |\n|---|---|---|")
+    for name, xs in (("knowing final volumes", best), ("dealt evenly", dealt), ("least served so far", least)):
+        print(f"| {name} | {statistics.median(xs):.2f} | {sum(x > 1.3 for x in xs) / len(xs):.0%} |")
+
+
+def frontier(rounds: list[list[Prompt]], args: argparse.Namespace, workers: int = 4) -> None:
+    """The working tree's policy with its volume bound relaxed step by step: hit rate against balance."""
+    print("| volume_balance | hit rate | max/min: median (worst) |\n|---|---|---|")
+    for vb in (1.15, 1.3, 1.5, 2.0, 100.0):
+        hit, loads = measure(load_policies(None), workers, rounds, args, volume_balance=vb)
+        print(f"| {vb:g} | {hit:.3f} | {statistics.median(loads):.2f} ({max(loads):.2f}) |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
@@ -182,12 +215,20 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model dir whose tokenizer encodes the prompts")
     ap.add_argument("--before-rev", default=BEFORE_REV)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bounds", action="store_true", help="balance without copies: known volumes vs online rules")
+    ap.add_argument("--frontier", action="store_true", help="hit rate vs balance as the volume bound relaxes")
     args = ap.parse_args()
     gen = bench_workload() if args.zipf is None else zipf_workload(args.zipf)
+    if args.bounds:
+        bounds(gen, args.trials * args.rounds)
+        return
     tok = RouterTokenizer(args.model) if args.model else ByteTokenizer()
     rounds = []
     for r in range(args.trials * args.rounds):
         rounds.append([(ids, token_chain(ids)) for ids in map(tok.encode, gen(r))])
+    if args.frontier:
+        frontier(rounds, args)
+        return
     top = statistics.mean(ceiling(p) for p in rounds)
     print(f"{args.trials} x {args.rounds} rounds of 128 requests, {args.concurrency} in flight, {args.service} "
           f"workers, miss cost {args.miss_cost:g}; hit-rate ceiling (one miss per tenant) {top:.3f}")
