@@ -18,6 +18,7 @@ finish, so dispatch never waits on a round trip to the ranks.
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -158,6 +159,8 @@ class DataParallelController:
     def send(self, msg: Any) -> None:
         """Admin commands go to every rank (each answers); requests follow the route table.
         Raises RankUnreachable instead of blocking when a rank is gone."""
+        if self._closed:  # a RuntimeError, like a gone rank, not a ZMQError from a closed socket
+            raise RankUnreachable("the scheduler processes were shut down")
         if is_admin(msg):
             for rank in range(len(self.pushes)):
                 self._push(rank, msg)
@@ -202,8 +205,19 @@ class DataParallelController:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
         self._stopping.set()
         self._reader.join(timeout=5)
         self.pull.close(linger=0)
         for s in self.pushes:
             s.close(linger=0)
+        self.ctx.term()  # every socket is closed with linger 0: this cannot block
+        shutil.rmtree(self._dir, ignore_errors=True)  # the ipc socket files
+        # Reaped (joined) above: drop the handles, and their pipes and sentinels with them.
+        for p in self.procs:
+            if not p.is_alive():
+                p.close()
+        self.procs = []

@@ -14,6 +14,7 @@ import itertools
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,16 @@ from tandem.engine.launch import InProcessScheduler, SchedulerClient
 from tandem.protocol.messages import AbortReq, AdminResult, FlushCacheReq, GenerateReq, ReqOutput
 
 Prompt = str | list[int]
+
+# The engines not yet shut down. Weak: atexit once held a bound `shutdown` per Engine, which
+# kept every Engine, its model and its KV memory alive until the process exited.
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _shutdown_live_engines() -> None:
+    """At exit: stop the engines still alive (their scheduler threads and processes)."""
+    for engine in list(_live_engines):
+        engine.shutdown()
 
 
 class Engine:
@@ -37,6 +48,7 @@ class Engine:
         self._routes: dict[str, queue.SimpleQueue] = {}  # per request; SimpleQueue: put is C, no Condition
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._closed = False
         if self.config.dp_size > 1:
             from tandem.engine.dp_controller import DataParallelController
 
@@ -44,7 +56,12 @@ class Engine:
                 self.config, str(self.model_path), self._on_outputs)
         else:
             self._backend = InProcessScheduler(self.config, str(self.model_path), self._on_outputs)
-        atexit.register(self.shutdown)
+        _live_engines.add(self)
+        # Registered again on each Engine so it runs before the exit handlers registered
+        # since (atexit is LIFO), as a per-engine registration did: multiprocessing's would
+        # otherwise terminate the DP ranks before they are asked to stop.
+        atexit.unregister(_shutdown_live_engines)
+        atexit.register(_shutdown_live_engines)
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _on_outputs(self, outs: list[Any]) -> None:
@@ -57,6 +74,7 @@ class Engine:
     def _submit(
         self, prompt: Prompt, params: dict[str, Any], priority: int = 0
     ) -> tuple[str, queue.SimpleQueue, list[int]]:
+        self._check_open()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         q: queue.SimpleQueue = queue.SimpleQueue()
@@ -78,6 +96,11 @@ class Engine:
                     raise RuntimeError(f"the scheduler stopped: {err!r}") from err
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError("no answer from the scheduler") from None
+
+    def _check_open(self) -> None:
+        # After shutdown nothing reads the inbox: a request would wait forever.
+        if self._closed:
+            raise RuntimeError("the engine was shut down")
 
     def _close(self, rid: str) -> None:
         with self._lock:
@@ -141,10 +164,12 @@ class Engine:
             self._close(rid)
 
     def abort(self, rid: str) -> None:
-        self._backend.send(AbortReq(rid))
+        if not self._closed:  # after shutdown there is nothing left to abort
+            self._backend.send(AbortReq(rid))
 
     def flush_cache(self) -> list[AdminResult]:
         """Drop the prefix caches (when idle) and check every pool is whole again."""
+        self._check_open()
         rid = f"flush-{uuid.uuid4().hex[:8]}"
         q: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
@@ -155,6 +180,12 @@ class Engine:
         return replies
 
     def shutdown(self) -> None:
+        """Stop the scheduler(s) and release the model and KV memory, even while this Engine
+        is still referenced. Safe to call again (explicitly, from `with`, from atexit)."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_engines.discard(self)
         self._backend.shutdown()
 
     def __enter__(self) -> Engine:

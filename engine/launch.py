@@ -10,6 +10,7 @@ back through the `emit` callback it was built with, `error` says why it stopped.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -99,9 +100,45 @@ class InProcessScheduler:
         self.inbox.put(msg)
 
     def shutdown(self) -> None:
+        """Stop the loop, then drop the scheduler and with it the runner: weights, KV memory,
+        CUDA graphs. The Engine may outlive this client; the model must not. Idempotent."""
         if self.thread.is_alive():
             self.inbox.put(ShutdownReq())
             self.thread.join(timeout=30)
+        if self.scheduler is None:
+            return
+        # A loop still running past the timeout holds its own reference: what it holds is
+        # then freed when it ends, rather than never.
+        self.scheduler = None
+        drop_tracebacks(self.error)
+        release_memory(self.info["device"])
+
+
+def drop_tracebacks(exc: BaseException | None) -> None:
+    """A stored error's traceback holds the scheduler's frames, and their locals the runner
+    and its tensors (an OOM would keep the memory it failed for). The thread's excepthook
+    has printed it already; the error itself stays for `error` to report."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+
+
+def release_memory(device: str) -> None:
+    """Free a dropped model now. Its parts reference each other, so only the cycle collector
+    frees them; then PyTorch's caching allocator keeps the blocks reserved (used, to other
+    processes and nvidia-smi) until empty_cache returns them to the driver. `device` is what the runner ran
+    on: CUDA is touched only when the model was on it, so CPU runs never initialize it."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def fix_malloc_mmap_threshold(threshold: int = 64 * 1024) -> None:

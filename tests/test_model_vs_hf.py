@@ -33,9 +33,10 @@ def _hf(path: str, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def _runner(path, dtype: str = "float32", page_size: int = PAGE) -> ModelRunner:
-    cfg = RunnerConfig(dtype=dtype, page_size=page_size, max_total_tokens=8192,
-                       max_running_requests=16, max_context_len=1024)
+def _runner(path, dtype: str = "float32", page_size: int = PAGE, device: str = "cpu", **kw) -> ModelRunner:
+    """A CPU runner unless asked: the CPU tests stay CPU tests on a machine with a GPU."""
+    cfg = RunnerConfig(dtype=dtype, device=device, page_size=page_size, max_total_tokens=8192,
+                       max_running_requests=16, max_context_len=1024, **kw)
     return ModelRunner.load(path, cfg)
 
 
@@ -45,11 +46,18 @@ def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _hf_logits(path, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _hf(str(path), dtype)(torch.tensor([ids])).logits[0].float()
+def _hf_logits(path, ids: list[int], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """HF's logits computed on `device` (the runner's: a GPU runner meets a GPU reference)."""
+    hf = _hf(str(path), dtype).to(device)
+    try:
+        return hf(torch.tensor([ids], device=device)).logits[0].float()
+    finally:
+        hf.to("cpu")  # the cached model stays a CPU model for the next caller
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if a.device != ref.device:
+        raise AssertionError(f"comparing {a.device} logits against a {ref.device} reference")
     return float((a - ref).abs().max() / ref.abs().max())
 
 
@@ -102,12 +110,12 @@ def test_decode_logits_match_hf_for_64_steps(model_path, arch: str, layer_kernel
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [9, 31, 16], seed=1)
     seqs = sb.new(len(prompts))
-    step_logits = [sb.forward(seqs, prompts)]
+    step_logits = [sb.forward(seqs, prompts).clone()]
     g = torch.Generator().manual_seed(2)
     # Teacher-forced random continuations: every step is checked, whatever the model prefers.
     cont = [torch.randint(10, runner.vocab_size, (64,), generator=g).tolist() for _ in prompts]
     for t in range(64):
-        step_logits.append(sb.forward(seqs, [[c[t]] for c in cont]))
+        step_logits.append(sb.forward(seqs, [[c[t]] for c in cont]).clone())
     for i, (p, c) in enumerate(zip(prompts, cont)):
         ref = _hf_logits(path, p + c)[len(p) - 1 :]  # predictions after the prompt and each step
         ours = torch.stack([s[i] for s in step_logits])
@@ -156,21 +164,24 @@ def test_bf16_close_to_hf_bf16(model_path, plan_env, arch: str, cpu: str) -> Non
     _check_bf16(model_path(arch))
 
 
-def _check_bf16(path) -> None:
-    runner = _runner(path, dtype="bfloat16")
-    packed = can_pack_linears(runner.device, runner.dtype)
-    assert (runner.model.packed_head is not None) == packed  # the oneDNN-packed path, LM head included
+def _check_bf16(path, device: str = "cpu", **kw) -> ModelRunner:
+    """Teacher-forced prefill + 16 decode steps; the runner's forward output is a view under
+    CUDA graphs (overwritten by the next step), so each step's logits are cloned."""
+    runner = _runner(path, dtype="bfloat16", device=device, **kw)
+    if device == "cpu":
+        packed = can_pack_linears(runner.device, runner.dtype)
+        assert (runner.model.packed_head is not None) == packed  # the oneDNN-packed path, LM head included
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)
     seqs = sb.new(len(prompts))
-    steps = [sb.forward(seqs, prompts)]
+    steps = [sb.forward(seqs, prompts).clone()]
     g = torch.Generator().manual_seed(6)
     cont = [torch.randint(10, runner.vocab_size, (16,), generator=g).tolist() for _ in prompts]
     for t in range(16):
-        steps.append(sb.forward(seqs, [[c[t]] for c in cont]))
+        steps.append(sb.forward(seqs, [[c[t]] for c in cont]).clone())
     agree = total = 0
     for i, (p, c) in enumerate(zip(prompts, cont)):
-        ref = _hf_logits(path, p + c, torch.bfloat16)[len(p) - 1 :]
+        ref = _hf_logits(path, p + c, torch.bfloat16, device)[len(p) - 1 :]
         ours = torch.stack([s[i] for s in steps])
         assert _rel(ours, ref) < 5e-2
         agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
@@ -178,30 +189,32 @@ def _check_bf16(path) -> None:
     assert agree / total >= 0.9
     sb.release(seqs)
     _check_pool_whole(runner)
+    return runner
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_flashinfer_runner_close_to_hf_bf16(model_path, arch: str, cuda_graph: bool) -> None:
-    """CUDA: FlashInfer prefill + decode (optionally under CUDA graphs) against HF bf16 on GPU."""
-    path = model_path(arch)
-    cfg = RunnerConfig(dtype="bfloat16", device="cuda", page_size=PAGE, max_total_tokens=8192,
-                       max_running_requests=16, max_context_len=1024, disable_cuda_graph=not cuda_graph)
-    runner = ModelRunner.load(path, cfg)
+    """CUDA: FlashInfer prefill + decode (optionally under CUDA graphs) against HF bf16 on the GPU."""
+    runner = _check_bf16(model_path(arch), "cuda", attention_backend="flashinfer", disable_cuda_graph=not cuda_graph)
     assert (runner.graph_runner is not None) == cuda_graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_on_cuda_runs_sdpa_and_matches_hf_on_the_gpu(model_path, arch: str) -> None:
+    """fp32 on CUDA: `auto` must not pick FlashInfer (no fp32 kernels); logits as exact as on CPU."""
+    from tandem.engine.attention.torch_backend import TorchAttentionBackend
+
+    path = model_path(arch)
+    runner = _runner(path, device="cuda")
+    assert isinstance(runner.attn_backend, TorchAttentionBackend) and runner.graph_runner is None
     sb = StaticBatch(runner)
-    prompts = _prompts(runner.vocab_size, [20, 45, 64], seed=5)
+    prompts = _prompts(runner.vocab_size, [9, 31], seed=1)
     seqs = sb.new(len(prompts))
-    steps = [sb.forward(seqs, prompts)]
-    cont = [torch.randint(10, runner.vocab_size, (16,)).tolist() for _ in prompts]
-    for t in range(16):
-        steps.append(sb.forward(seqs, [[c[t]] for c in cont]))
-    hf = _hf(str(path), torch.bfloat16).cuda()
-    for i, (p, c) in enumerate(zip(prompts, cont)):
-        with torch.inference_mode():
-            ref = hf(torch.tensor([p + c], device="cuda")).logits[0].float()[len(p) - 1 :]
-        assert _rel(torch.stack([s[i] for s in steps]), ref) < 5e-2
-    hf.cpu()
+    logits = sb.forward(seqs, prompts).clone()
+    for i, p in enumerate(prompts):
+        assert _rel(logits[i], _hf_logits(path, p, device="cuda")[-1]) < REL_TOL
     sb.release(seqs)
     _check_pool_whole(runner)

@@ -15,6 +15,10 @@ Contract (tests/test_attention_contract.py runs it against every backend):
 - Shapes: q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads,
   head_dim); output (num_tokens, num_heads * head_dim) in q's dtype.
 - EXTEND and MIXED batches go to `forward_extend`, DECODE to `forward_decode`.
+
+A backend whose decode can be captured in a CUDA graph sets `supports_cuda_graph` and
+implements the three graph hooks (runner/cuda_graph_runner.py drives them): its
+captured kernels may read only the static batch and buffers made by `graph_states`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graph = False
+
     def __init__(self, runner_ctx: object) -> None:
         # runner_ctx exposes: req_to_token_pool, kv_pool, device, num_heads,
         # num_kv_heads, head_dim, scaling, dtype, page_size.
@@ -51,3 +57,16 @@ class AttentionBackend(ABC):
         if batch.mode == ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
+
+    # ---- CUDA-graph hooks (only where supports_cuda_graph) ----------------------------------
+    def graph_states(self, buckets: list[int], max_pages: int) -> dict[int, object]:
+        """Per bucket batch size, the fixed index buffers its captured decode reads."""
+        raise NotImplementedError
+
+    def plan_graph_decode(self, state: object, batch: ForwardBatch) -> None:
+        """Fill `state` for `batch` (a static, padded decode batch); runs outside the graph."""
+        raise NotImplementedError
+
+    def use_graph_state(self, state: object | None) -> None:
+        """Decode forwards read `state` (None: back to the eager metadata)."""
+        raise NotImplementedError

@@ -8,14 +8,22 @@ The page table of request i is read off its req_to_token row:
     indptr[i+1]     = indptr[i] + ceil(seq_len_i / page_size)
     last_page_len_i = (seq_len_i - 1) % page_size + 1
 
+indptr and last_page_len are made on the host from the batch's CPU lengths and
+handed to `plan` there: plan schedules its kernels from host copies of both, so
+device ones would cost a device-to-host sync every step. The page indices are
+gathered on the device from the batch's own device tensors (`page_indices`), so
+no per-step host array of page numbers crosses the bus either.
+
 FlashInfer aligns the causal mask bottom-right (query j of an extend of n
 tokens over kv_len keys sits at kv_len - n + j), which is exactly our contract,
 so MIXED batches run through the prefill wrapper with decode rows as 1-token
-extends. Decode under CUDA graphs uses per-batch-size wrappers with static
-buffers; see engine/cuda_graph_runner.py.
+extends. Decode under CUDA graphs uses one wrapper per bucket, all over shared
+fixed buffers (runner/cuda_graph_runner.py).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -25,7 +33,32 @@ from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 _WORKSPACE_BYTES = 256 << 20
 
 
+def page_indices(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, total: int,
+                 page_size: int) -> torch.Tensor:
+    """Every request's page numbers, concatenated: (total,) int32 on the table's device.
+
+    Flat entry t belongs to request i = the one whose pages span t; it is page
+    (t - first_i) of that request, read at column (t - first_i) * page_size of its row.
+    `total` (the pages of all requests, known on the host) sizes every intermediate,
+    so nothing here waits for the device."""
+    n = (seq_lens.to(torch.int64) + page_size - 1) // page_size
+    first = torch.cumsum(n, 0) - n
+    row_of = torch.repeat_interleave(rows, n, output_size=total)
+    col_of = torch.arange(total, device=table.device) - torch.repeat_interleave(first, n, output_size=total)
+    return (table[row_of, col_of * page_size] // page_size).to(torch.int32)
+
+
+def host_page_counts(seq_lens_cpu: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indptr, last_page_len) as int32 CPU tensors."""
+    counts = [-(-s // page_size) for s in seq_lens_cpu]
+    indptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+    last = torch.tensor([(s - 1) % page_size + 1 for s in seq_lens_cpu], dtype=torch.int32)
+    return indptr, last
+
+
 class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, runner_ctx: object) -> None:
         super().__init__(runner_ctx)
         import flashinfer
@@ -40,48 +73,72 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
         )
         self.active_decode_wrapper = self.decode_wrapper
+        self._planned: dict[int, torch.cuda.Event] = {}
 
-    # ---- page tables -------------------------------------------------------------------
-    def page_table(self, rows: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
-        """(indptr, indices, last_page_len) on the device; index math is done on the host
-        from the CPU lengths so that building the table never syncs the stream."""
-        P, dev = self.ctx.page_size, self.ctx.device
-        n_pages = torch.tensor([-(-s // P) for s in seq_lens], dtype=torch.int64)
-        indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        indptr[1:] = n_pages.cumsum(0)
-        row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), n_pages)
-        starts = torch.repeat_interleave(indptr[:-1].to(torch.int64), n_pages)
-        col_of = (torch.arange(int(indptr[-1])) - starts) * P
+    # ---- plans -------------------------------------------------------------------------------
+    def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        P = self.ctx.page_size
+        indptr, last = host_page_counts(batch.seq_lens_cpu, P)
         table = self.ctx.req_to_token_pool.req_to_token
-        indices = table[row_of.to(dev, non_blocking=True), col_of.to(dev, non_blocking=True)] // P
-        last = torch.tensor([(s - 1) % P + 1 for s in seq_lens], dtype=torch.int32)
-        return indptr.to(dev, non_blocking=True), indices.to(torch.int32), last.to(dev, non_blocking=True)
+        return indptr, page_indices(table, batch.req_pool_indices, batch.seq_lens, int(indptr[-1]), P), last
 
-    def plan_decode(self, wrapper: object, rows: list[int], seq_lens: list[int]) -> None:
+    def _fenced_plan(self, wrapper: object, *args: object, **kw: object) -> None:
+        """plan() fills a pinned host buffer and queues its copy to the device without waiting.
+        Planning the same wrapper again before that copy ran would overwrite the buffer under it,
+        so wait for the previous plan's copy first: the host stays at most one step ahead of
+        the device, which is the overlap we want (plan N+1 while step N runs)."""
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kw)  # type: ignore[attr-defined]
+        done = torch.cuda.Event()
+        done.record()
+        self._planned[id(wrapper)] = done
+
+    def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
         ctx = self.ctx
-        indptr, indices, last = self.page_table(rows, seq_lens)
-        wrapper.plan(  # type: ignore[attr-defined]
-            indptr, indices, last, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.page_size,
-            pos_encoding_mode="NONE", q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype,
-            sm_scale=ctx.scaling,
+        indptr, indices, last = self._table(batch)
+        self._fenced_plan(
+            wrapper, indptr, indices, last, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.page_size,
+            pos_encoding_mode="NONE", q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype, sm_scale=ctx.scaling,
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         ctx = self.ctx
         if batch.mode == ForwardMode.DECODE:
             self.active_decode_wrapper = self.decode_wrapper
-            self.plan_decode(self.decode_wrapper, batch.req_pool_indices_cpu, batch.seq_lens_cpu)
+            self._plan_decode(self.decode_wrapper, batch)
             return
-        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
-        qo_indptr[1:] = torch.tensor(batch.extend_lens_cpu).cumsum(0)
-        indptr, indices, last = self.page_table(batch.req_pool_indices_cpu, batch.seq_lens_cpu)
-        self.prefill_wrapper.plan(
-            qo_indptr.to(ctx.device, non_blocking=True), indptr, indices, last,
+        qo_indptr = torch.tensor([0, *itertools.accumulate(batch.extend_lens_cpu)], dtype=torch.int32)
+        indptr, indices, last = self._table(batch)
+        self._fenced_plan(
+            self.prefill_wrapper, qo_indptr, indptr, indices, last,
             ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.page_size,
             causal=True, sm_scale=ctx.scaling, q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype,
         )
 
-    # ---- forward -------------------------------------------------------------------------
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def graph_states(self, buckets: list[int], max_pages: int) -> dict[int, object]:
+        """One wrapper per bucket, all over one set of buffers sized for the largest: one graph
+        runs at a time and plans are stream-ordered, so sharing is safe and the page-index
+        buffer (max_bs * max_pages entries) exists once, not once per bucket."""
+        dev, max_bs = self.ctx.device, max(buckets)
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
+        indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
+        last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        return {bs: self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+            paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last[:bs],
+        ) for bs in buckets}
+
+    def plan_graph_decode(self, state: object, batch: ForwardBatch) -> None:
+        self._plan_decode(state, batch)
+
+    def use_graph_state(self, state: object | None) -> None:
+        self.active_decode_wrapper = state if state is not None else self.decode_wrapper
+
+    # ---- forward -----------------------------------------------------------------------------
     def _paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool, P = self.ctx.kv_pool, self.ctx.page_size
         k = pool.k_buffer(layer)

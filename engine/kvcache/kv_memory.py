@@ -29,26 +29,49 @@ class KVMemory:
     req_table: ReqToTokenPool
 
 
-def available_memory_bytes(device: torch.device) -> int:
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, free) bytes of the device: CUDA's own counts, MemTotal/MemAvailable on CPU."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free
+    info = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 4 << 30
+        key, _, rest = line.partition(":")
+        info[key] = int(rest.split()[0]) * 1024
+    return info.get("MemTotal", 8 << 30), info.get("MemAvailable", 4 << 30)
+
+
+def reserve_bytes(mc: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """What must stay free beside weights and KV: the activations of the largest forward
+    (its widest layer's live tensors per token), fp32 logits and the sampler's copies of
+    them for a full decode batch, and on CUDA a fixed 1 GiB for the attention workspace,
+    CUDA graphs (their buffers and pool) and allocator slack."""
+    el = torch.tensor([], dtype=dtype).element_size()
+    per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * el
+    tokens = max(config.max_forward_tokens, config.max_running_requests)
+    logits = 3 * config.max_running_requests * mc.vocab_size * 4
+    return tokens * per_token + logits + ((1 << 30) if device.type == "cuda" else 0)
+
+
+def kv_budget_bytes(total: int, free: int, weight_bytes: int, fraction: float, reserve: int) -> int:
+    """Bytes for the KV pool, measured after the weights were loaded (so `free` already
+    excludes them): weights + KV take `fraction` of the device's total memory, as SGLang's
+    mem_fraction_static means, and whatever else is allocated must leave `reserve` free."""
+    return max(0, min(int(total * fraction) - weight_bytes, free - reserve))
 
 
 def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
                     weight_bytes: int, max_context_len: int) -> KVMemory:
-    """The pool gets config.max_total_tokens, or mem_fraction_static of the device's free
-    memory minus the weights (capped on CPU)."""
+    """The pool gets config.max_total_tokens, or what kv_budget_bytes leaves (capped on CPU)."""
     mc, P = model_config, config.page_size
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
         per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=dtype).element_size()
-        budget = available_memory_bytes(device) * config.mem_fraction_static - weight_bytes
-        tokens = max(int(budget // per_token), 4 * P)
+        total, free = device_memory(device)
+        budget = kv_budget_bytes(total, free, weight_bytes, config.mem_fraction_static,
+                                 reserve_bytes(mc, config, dtype, device))
+        tokens = max(budget // per_token, 4 * P)
         if device.type == "cpu":
             tokens = min(tokens, CPU_AUTO_MAX_TOKENS)
     num_pages = -(-tokens // P) + 1  # +1: the reserved page 0

@@ -140,6 +140,13 @@ PRESETS: dict[str, ModelSpec] = {
         rope_theta=500_000.0,
         tie_word_embeddings=True,
     ),
+    # Llama-3.2-1B's shape (tied embeddings), random weights: ~1.24B parameters, 2.5 GB in bf16;
+    # the GPU decode benchmark's model (bench/gpu_decode.py).
+    "llama-1b-shape": ModelSpec(
+        arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, rope_theta=500_000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True, dtype="bfloat16",
+    ),
 }
 
 

@@ -108,7 +108,9 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
-    cuda_graph_max_bs: int = 160
+    cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
+    # The largest forward the scheduler runs (its prefill chunk): sizes the activation reserve.
+    max_forward_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -117,3 +119,11 @@ class RunnerConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be >= 1 (disable_cuda_graph turns graphs off)")
+
+    @property
+    def graph_max_bs(self) -> int:
+        """The largest decode batch captured in a CUDA graph: larger ones run eager."""
+        cap = self.max_running_requests if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        return min(cap, self.max_running_requests)

@@ -1,84 +1,81 @@
-"""CUDA graphs for decode batches (FlashInfer backend only).
+"""CUDA graphs for decode batches.
 
-Decode forwards are captured once per batch-size bucket over static input
-buffers. At replay a batch of size b runs in the smallest bucket B >= b; rows
-b..B-1 are padding:
+Decode forwards are captured once per batch-size bucket over the static buffers
+of DecodeGraphInputs (graph_inputs.py, which also states the padding rule). At
+replay a batch of b rows is copied in and runs in the smallest bucket B >= b.
 
-    padding row: req_pool_index = 0, seq_len = 1, out_cache_loc = 0 (page 0)
+The attention backend takes part through three hooks (base.py): `graph_states`
+gives each bucket the fixed index buffers its kernels read, `plan_graph_decode`
+refills them outside the graph before every replay, and `use_graph_state` points
+the forward at a bucket's state while it is captured.
 
-Page 0 is reserved in the KV pool, so padded writes land nowhere live and the
-padded reads are of finite data. The FlashInfer decode wrapper of each bucket
-owns fixed index buffers, and `plan` (outside the graph) refills them.
+What a replay returns is a view of the graph's static output: it is overwritten
+by the next replay of that bucket (ModelRunner.forward states the contract).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.runner.graph_inputs import DecodeGraphInputs
 
 
-def _buckets(max_bs: int) -> list[int]:
+def graph_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_bs, and max_bs itself: at most 15 rows of padding."""
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
-class CudaGraphRunner:
-    def __init__(self, runner: object, max_bs: int) -> None:
-        import flashinfer
+class GraphCapture(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Record `fn` once; return (graph with .replay(), the output tensor replays write)."""
+        ...
 
-        self.runner = runner
-        backend = runner.attn_backend  # type: ignore[attr-defined]
-        self.backend = backend
-        self.buckets = _buckets(max_bs)
-        self.max_bs = self.buckets[-1]
-        dev = runner.device  # type: ignore[attr-defined]
-        P = runner.page_size  # type: ignore[attr-defined]
-        max_pages = -(-runner.max_context_len // P)  # type: ignore[attr-defined]
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
-        self.wrappers: dict[int, object] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+
+class CudaGraphs:
+    """Real capture: warm-up runs outside the graph, then one recorded run. All graphs share
+    one memory pool; capturing the largest bucket first lets the smaller ones reuse its memory."""
+
+    def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):  # largest first so smaller graphs reuse its memory
-            self.wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                backend.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=backend._tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=torch.zeros(bs * max_pages, dtype=torch.int32, device=dev),
-                paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
-            )
-            self._capture(bs)
 
-    def _static_batch(self, bs: int, seq_lens_cpu: list[int], rows: list[int]) -> ForwardBatch:
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            req_pool_indices_cpu=rows, seq_lens=self.seq_lens[:bs], seq_lens_cpu=seq_lens_cpu,
-            prefix_lens_cpu=[s - 1 for s in seq_lens_cpu], extend_lens_cpu=[1] * bs,
-            num_extend_reqs=0, logits_indices=torch.arange(bs, device=self.input_ids.device),
-        )
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        for _ in range(2):  # first-call work (kernel selection, allocator growth) stays out of the graph
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
 
-    def _capture(self, bs: int) -> None:
-        batch = self._static_batch(bs, [1] * bs, [0] * bs)
-        self.backend.plan_decode(self.wrappers[bs], [0] * bs, [1] * bs)
-        self.backend.active_decode_wrapper = self.wrappers[bs]
-        model = self.runner.model  # type: ignore[attr-defined]
-        with torch.inference_mode():
-            for _ in range(2):  # warm up kernels and allocator outside the graph
-                model(batch, self.backend)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = model(batch, self.backend)
-        self.graphs[bs] = graph
-        self.backend.active_decode_wrapper = self.backend.decode_wrapper
+
+class CudaGraphRunner:
+    def __init__(self, runner: Any, max_bs: int, capture: GraphCapture | None = None) -> None:
+        self.backend = backend = runner.attn_backend
+        self.buckets = graph_buckets(max_bs)
+        self.max_bs = self.buckets[-1]
+        self.inputs = DecodeGraphInputs(self.max_bs, runner.device)
+        max_pages = -(-runner.max_context_len // runner.page_size)
+        self.states = backend.graph_states(self.buckets, max_pages)
+        self.graphs: dict[int, Any] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        capture = capture or CudaGraphs()
+        model = runner.model
+        for bs in reversed(self.buckets):
+            batch = self.inputs.batch(bs, [0] * bs, [1] * bs)
+            self.inputs.check_views(batch)
+            backend.plan_graph_decode(self.states[bs], batch)
+            backend.use_graph_state(self.states[bs])
+            try:
+                with torch.inference_mode():
+                    self.graphs[bs], self.outputs[bs] = capture.capture(lambda b=batch: model(b, backend))
+            finally:
+                backend.use_graph_state(None)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
@@ -86,19 +83,7 @@ class CudaGraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        pad = bs - b
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:b].copy_(batch.req_pool_indices)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        if pad:
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.out_cache_loc[b:bs].zero_()
-            self.req_pool_indices[b:bs].zero_()
-            self.seq_lens[b:bs].fill_(1)
-        rows = batch.req_pool_indices_cpu + [0] * pad
-        self.backend.plan_decode(self.wrappers[bs], rows, batch.seq_lens_cpu + [1] * pad)
+        static = self.inputs.load(batch, bs)
+        self.backend.plan_graph_decode(self.states[bs], static)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -92,10 +92,10 @@ class ModelRunner:
         config, mc = self.config, self.model_config
         self.attn_backend = create_backend(config.attention_backend, self)
         self.graph_runner = None
-        if self.device.type == "cuda" and not config.disable_cuda_graph and hasattr(self.attn_backend, "plan_decode"):
+        if self.device.type == "cuda" and not config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, config.max_running_requests))
+            self.graph_runner = CudaGraphRunner(self, config.graph_max_bs)
         log.info(
             "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
@@ -104,7 +104,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (batch, vocab) in fp32 for the last new token of each request."""
+        """Logits (batch, vocab) in fp32 for the last new token of each request.
+
+        Under CUDA graphs this is a view of the graph's static output, valid until the next
+        forward: the scheduler samples from it at once; a caller that keeps logits across
+        forwards clones them (a copy per step would cost bandwidth the decode roofline counts)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)

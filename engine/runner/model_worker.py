@@ -83,12 +83,37 @@ class ModelWorker:
         return GenerationBatchResult(out, mwb.return_logprob, copy_done, start, time.perf_counter())
 
 
+class StreamHandoff:
+    """Orders the scheduler thread's device writes before the forward that reads them.
+
+    The scheduler writes req_to_token (and frees/fills pool rows) on its thread's stream;
+    the forward runs on the forward thread's own stream and reads them. CUDA orders work
+    only within a stream, so `mark` (scheduler thread, at launch) records an event after
+    those writes and `wait` (forward thread) makes the forward stream wait for it. On CPU
+    both are no-ops: every op has finished when it returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait(self, token: object) -> None:
+        if token is not None:
+            torch.cuda.current_stream().wait_event(token)  # type: ignore[arg-type]
+
+
 class OverlapWorker:
     """A single forward thread fed in order; `launch` returns immediately."""
 
-    def __init__(self, worker: ModelWorker, future_map: FutureMap) -> None:
+    def __init__(self, worker: ModelWorker, future_map: FutureMap, handoff: StreamHandoff | None = None) -> None:
         self.worker = worker
         self.future_map = future_map
+        self.handoff = handoff or StreamHandoff(worker.runner.device)
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tandem-forward", daemon=True)
         self._stream = torch.cuda.Stream() if worker.runner.device.type == "cuda" else None
@@ -98,7 +123,7 @@ class OverlapWorker:
         """Queue the forward; return its future result and the batch's future ids (negative)."""
         idx = self.future_map.alloc(len(mwb.req_pool_indices))
         fut: Future = Future()
-        self._jobs.put((mwb, idx, fut))
+        self._jobs.put((mwb, idx, fut, self.handoff.mark()))
         return fut, -idx
 
     def _run(self) -> None:
@@ -110,8 +135,9 @@ class OverlapWorker:
                 job = self._jobs.get()
                 if job is None:
                     return
-                mwb, idx, fut = job
+                mwb, idx, fut, ready = job
                 try:
+                    self.handoff.wait(ready)
                     fut.set_result(self.worker.forward_batch_generation(mwb, self.future_map, idx))
                 except BaseException as exc:  # surfaced to the scheduler at .result()
                     fut.set_exception(exc)
