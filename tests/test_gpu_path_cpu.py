@@ -230,3 +230,36 @@ def test_overlap_forward_waits_for_the_handoff_marked_at_launch() -> None:
     for i in range(3):  # each forward, on the forward thread, right after waiting on its own mark
         (w, wt, token), (f, ft, mwb) = forwards[2 * i], forwards[2 * i + 1]
         assert (w, f, token, mwb.n) == ("wait", "forward", i, i) and wt == ft != launcher
+
+
+# ---- the scheduler reads request rows from a host mirror, never from the device ----------------
+def test_scheduler_on_a_mirrored_row_table_matches_and_keeps_the_mirror_exact(monkeypatch) -> None:
+    """Off the CPU the request-row table has a host mirror the scheduler reads (a request's last
+    slot each decode step, its slots when it finishes or is cached), so no step waits on the
+    GPU. Forced on here: same tokens as the plain table, through prefix hits, chunked prefill
+    and overlap, and flush's integrity check finds the mirror equal to the table."""
+    import functools
+
+    from tandem.engine.engine import Engine
+    from tandem.engine.kvcache import kv_memory
+    from tandem.engine.kvcache.req_table import ReqToTokenPool
+
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(10, 8000, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(10, 8000, (n,), generator=g).tolist() for n in (5, 70, 12, 33)]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (9, 3, 17, 6)]
+    kw = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=2048,
+              disable_overlap_schedule=False)
+
+    def run() -> tuple[list[list[int]], bool]:
+        with Engine("tiny", **kw) as eng:
+            out = [r["token_ids"] for r in eng.generate(prompts[:1], params[:1])]  # cached, then hit
+            out += [r["token_ids"] for r in eng.generate(prompts[1:], params[1:])]
+            assert all(r.ok for r in eng.flush_cache())
+            table = eng._backend.scheduler.runner.req_to_token_pool
+            return out, table.host is not table.req_to_token
+
+    plain, mirrored = run()
+    assert not mirrored
+    monkeypatch.setattr(kv_memory, "ReqToTokenPool", functools.partial(ReqToTokenPool, host_mirror=True))
+    assert run() == (plain, True)

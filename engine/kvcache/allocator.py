@@ -85,8 +85,8 @@ class PageAllocator:
                 slots = (new[:, None] * P + torch.arange(P)[None, :]).flatten()
                 out.append(slots[: extend - tail])
         if not out:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.cat(out).to(self.device)
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat(out)
 
     def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
         """One slot per request for the token at position seq_len-1 (seq_len counts it).
@@ -101,7 +101,7 @@ class PageAllocator:
             return None
         slots = last_locs.to(torch.int64) + 1
         slots[starts_page] = pages * P
-        return slots.to(self.device)
+        return slots
 
     # ---- freeing ---------------------------------------------------------------------
     def free(self, slots: torch.Tensor) -> None:

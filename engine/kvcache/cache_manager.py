@@ -37,7 +37,8 @@ class CacheManager:
     # ---- capacity ------------------------------------------------------------------------
     @property
     def req_to_token(self) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token
+        """The request rows as the host reads them (the pool's mirror off the CPU): no sync."""
+        return self.req_to_token_pool.host
 
     def available_tokens(self) -> int:
         """Free now plus reclaimable by evicting unlocked cache entries."""
@@ -74,7 +75,7 @@ class CacheManager:
         extend = [r.extend_input_len for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         cols = torch.tensor([max(p - 1, 0) for p in prefix], dtype=torch.int64)
-        last = self.req_to_token[rows.to(self.req_to_token.device), cols.to(self.req_to_token.device)].tolist()
+        last = self.req_to_token[rows, cols].tolist()
         self._ensure_free(sum(self.allocator.pages_needed(p, e) for p, e in zip(prefix, extend)))
         slots = self.allocator.alloc_extend(prefix, extend, last)
         assert slots is not None
@@ -91,13 +92,11 @@ class CacheManager:
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One slot per request, for the position after its committed KV."""
         self._ensure_free(self.decode_pages_needed(reqs))
-        dev = self.req_to_token.device
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
-        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64, device=dev)
-        last = self.req_to_token[rows, cols - 1].cpu()
-        slots = self.allocator.alloc_decode(cols.cpu() + 1, last)
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        slots = self.allocator.alloc_decode(cols + 1, self.req_to_token[rows, cols - 1])
         assert slots is not None
-        self.req_to_token[rows, cols] = slots.to(dev, torch.int32)
+        self.req_to_token_pool.write_cells(rows, cols, slots)
         for r in reqs:
             r.kv_committed_len += 1
         return slots

@@ -64,7 +64,7 @@ class PrefixCache(ABC):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = kv_pool_allocator
         self.page_size = page_size
-        self.device = req_to_token_pool.req_to_token.device
+        self.device = req_to_token_pool.host.device  # slots live on the host (see ReqToTokenPool.host)
 
     # ---- lookup and insertion ------------------------------------------------------------
     @abstractmethod
@@ -142,7 +142,7 @@ class PrefixCache(ABC):
 
     def _row_slots(self, req: CacheableReq, end: int) -> torch.Tensor:
         """A copy of the request's slots for positions [0, end), as int64."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :end]
+        row = self.req_to_token_pool.host[req.req_pool_idx, :end]  # the host's copy: no sync
         return row.to(torch.int64, copy=True)
 
 

@@ -21,11 +21,18 @@ class ReqToTokenPool:
     at the start of each result it processes, when every batch launched before the
     frees has completed."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str,
+                 host_mirror: bool | None = None) -> None:
         self.size = size
         self.max_context_len = max_context_len
         # int32 because FlashInfer's page tables are int32 and it halves gather traffic.
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        # The scheduler reads rows on the host (a request's last slot every decode step, its
+        # slots when it finishes); from a GPU table each read would stall on the device. So off
+        # the CPU the host keeps a mirror, written with every write, and reads go to it. Slots
+        # reach the table from the allocator and from mirror rows: host tensors, never a sync.
+        mirror = torch.device(device).type != "cpu" if host_mirror is None else host_mirror
+        self.host = torch.zeros((size, max_context_len), dtype=torch.int32) if mirror else self.req_to_token
         self._free: list[int] = list(range(size))
         self._held: list[int] = []
 
@@ -49,9 +56,26 @@ class ReqToTokenPool:
         self._held.clear()
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(torch.int32)
+        """req_to_token[row, start : start + len(slots)] = slots, on the device and the host."""
+        host = slots.to("cpu", torch.int32)
+        self.host[row, start : start + host.numel()] = host
+        if self.host is not self.req_to_token:
+            # non_blocking: a pageable source is staged at once, and the forward's stream waits
+            # for this one at launch (model_worker.StreamHandoff)
+            self.req_to_token[row, start : start + host.numel()] = host.to(self.req_to_token.device, non_blocking=True)
+
+    def write_cells(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] (host tensors), on the device and the host."""
+        host = slots.to(torch.int32)
+        self.host[rows, cols] = host
+        if self.host is not self.req_to_token:
+            dev = self.req_to_token.device
+            self.req_to_token[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = host.to(
+                dev, non_blocking=True)
 
     def check_integrity(self, in_use: int | None = None) -> None:
+        if self.host is not self.req_to_token:
+            assert torch.equal(self.host, self.req_to_token.cpu()), "host mirror differs from req_to_token"
         released = self._free + self._held
         assert len(set(released)) == len(released), "request slot freed twice"
         if in_use is not None:

@@ -8,6 +8,7 @@ pod IP. torch-free: planning needs no engine.
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -70,15 +71,20 @@ class Ports:
 
     def __init__(self, taken: Sequence[int] = ()) -> None:
         self.taken = set(taken)
+        self._rng = random.Random()
 
     def one(self) -> int:
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in self.taken:
+        """A free port below the kernel's ephemeral range. Asking the kernel for port 0 hands out
+        an ephemeral port, the pool every outgoing connection and every UCX listener also draws
+        from: between choosing it and the worker binding it (seconds of start-up) one of those
+        could take it (seen: a decode worker's HTTP port taken while it loaded)."""
+        low, high = _static_range()
+        for _ in range(1000):
+            port = self._rng.randrange(low, high)
+            if port not in self.taken and bindable("127.0.0.1", port):
                 self.taken.add(port)
                 return port
+        raise RuntimeError(f"no free port in {low}-{high}")
 
     def block(self, count: int, start: int = contract.DEFAULT_KV_PORT_BASE) -> int:
         """The first of `count` consecutive free ports at or above `start` (UCX's KV listeners)."""
@@ -90,6 +96,16 @@ class Ports:
                 return base
             base += count
         raise RuntimeError(f"no {count} consecutive free ports above {start}")
+
+
+def _static_range() -> tuple[int, int]:
+    """[low, high) of ports the kernel never hands out on its own: 10000 up to its ephemeral
+    range (net.ipv4.ip_local_port_range, 32768 by default)."""
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    return (10000, ephemeral) if ephemeral > 12000 else (ephemeral - 2000, ephemeral)
 
 
 def bindable(host: str, port: int) -> bool:

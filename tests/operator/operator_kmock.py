@@ -26,7 +26,6 @@ import copy
 import datetime
 import json
 import re
-import socket
 import threading
 import time
 import urllib.request
@@ -40,6 +39,8 @@ import attrs
 import kmock
 from kmock._internal import enums
 from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.local.plan import Ports
 
 T = TypeVar("T")
 CR_RESOURCE = "tandem.dev/v1alpha1/inferenceservices"
@@ -264,10 +265,12 @@ class KmockCluster:
         return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)
 
 
+_PORTS = Ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port outside the ephemeral range, never the same twice in this process (see Ports)."""
+    return _PORTS.one()
 
 
 def scrape(port: int) -> dict[str, float]:

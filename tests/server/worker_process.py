@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from tandem import worker_contract as contract
+from tandem.local.plan import Ports
 
 
 def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, str]:
@@ -42,10 +42,12 @@ def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, st
         time.sleep(0.5)
 
 
+_PORTS = Ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range, never the same twice in this process (see Ports)."""
+    return _PORTS.one()
 
 
 class Worker:
