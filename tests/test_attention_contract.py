@@ -17,12 +17,13 @@ from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
-HEADS, KV_HEADS, DIM = 8, 2, 32
+HEADS, KV_HEADS, DIM = 8, 2, 64  # a head_dim every backend runs (FlashInfer has no 32)
 
 BACKENDS = [
     pytest.param("torch", "cpu", id="torch-cpu"),  # the fused paged kernels where they build
     pytest.param("torch-sdpa", "cpu", id="torch-cpu-sdpa"),  # the same backend, kernels off
     pytest.param("flashinfer", "cuda", id="flashinfer-cuda", marks=pytest.mark.gpu),
+    pytest.param("torch", "cuda", id="torch-cuda-sdpa", marks=pytest.mark.gpu),  # what fp32 on CUDA runs
 ]
 
 # (prefix_len, extend_len) per request; one case per mode the contract names
