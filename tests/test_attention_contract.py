@@ -24,6 +24,8 @@ BACKENDS = [
     pytest.param("torch-sdpa", "cpu", id="torch-cpu-sdpa"),  # the same backend, kernels off
     pytest.param("flashinfer", "cuda", id="flashinfer-cuda", marks=pytest.mark.gpu),
     pytest.param("torch", "cuda", id="torch-cuda-sdpa", marks=pytest.mark.gpu),  # what fp32 on CUDA runs
+    # The FlashInfer backend's page tables and plans on CPU, over a stand-in for its kernels.
+    pytest.param("flashinfer-fake", "cpu", id="flashinfer-backend-cpu-standin"),
 ]
 
 # (prefix_len, extend_len) per request; one case per mode the contract names
@@ -59,14 +61,22 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> to
 @pytest.mark.parametrize("name,device", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_contract(name: str, device: str, page_size: int, case: str) -> None:
+def test_attention_contract(name: str, device: str, page_size: int, case: str, monkeypatch) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.float32 if device == "cpu" and name != "flashinfer-fake" else torch.bfloat16
     torch.manual_seed(0)
     mode, reqs = CASES[case]
     ctx = _ctx(device, page_size, dtype)
-    backend = create_backend(name.removesuffix("-sdpa"), ctx)
+    if name == "flashinfer-fake":
+        import fake_flashinfer
+
+        from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        fake_flashinfer.install(monkeypatch)
+        backend = FlashInferAttentionBackend(ctx)
+    else:
+        backend = create_backend(name.removesuffix("-sdpa"), ctx)
     if name.endswith("-sdpa"):
         backend.use_kernels = False
     alloc = ctx.kv_pool.allocator
@@ -91,6 +101,8 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str) -
         torch.cat(new_locs), device, num_extend_reqs=None if mode != ForwardMode.MIXED else n_extend,
     )
     backend.init_forward_metadata(batch)
+    if name == "flashinfer-fake":  # planned from host lengths: reading them costs no device sync
+        assert fake_flashinfer.PLANS and all(p.host_indptr for p in fake_flashinfer.PLANS)
     out = backend.forward(q, k_new, v_new, 0, batch)
     assert out.shape == (n_tok, HEADS * DIM) and out.dtype == dtype
 

@@ -133,6 +133,31 @@ def test_graph_replay_matches_eager_across_buckets_and_padding(model_path) -> No
     runner.req_to_token_pool.check_integrity(in_use=0)
 
 
+def test_flashinfer_backend_under_graphs_matches_its_eager_self(model_path, monkeypatch) -> None:
+    """The FlashInfer backend's graph hooks (one wrapper per bucket over shared fixed buffers,
+    re-planned before each replay) on CPU, over the stand-in for FlashInfer's kernels."""
+    import fake_flashinfer
+
+    from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    fake_flashinfer.install(monkeypatch)
+    cfg = RunnerConfig(dtype="bfloat16", device="cpu", page_size=16, max_total_tokens=4096,
+                       max_running_requests=8, max_context_len=256)
+    runner = ModelRunner.load(model_path("tiny"), cfg)
+    runner.attn_backend = FlashInferAttentionBackend(runner)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, runner.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 25)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 12, 7, 20, 9)]
+    eager = StaticBatch(runner).generate(prompts, params)
+    runner.graph_runner = CudaGraphRunner(runner, 8, capture=_ReRun())
+    fake_flashinfer.PLANS.clear()
+    assert StaticBatch(runner).generate(prompts, params) == eager
+    decode_plans = [p for p in fake_flashinfer.PLANS if p.kind == "decode"]
+    assert decode_plans and {p.batch for p in decode_plans} <= {1, 2, 4, 8}  # padded buckets only
+    assert all(p.host_indptr for p in fake_flashinfer.PLANS)
+    runner.kv_pool.check_integrity(in_use_pages=0)
+
+
 def test_forward_under_graphs_returns_the_static_output_until_the_next_forward(model_path) -> None:
     """The documented contract of ModelRunner.forward: a view, overwritten by the next replay."""
     runner = _runner(model_path)

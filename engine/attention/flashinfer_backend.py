@@ -91,9 +91,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         if done is not None:
             done.synchronize()
         wrapper.plan(*args, **kw)  # type: ignore[attr-defined]
-        done = torch.cuda.Event()
-        done.record()
-        self._planned[id(wrapper)] = done
+        if torch.device(self.ctx.device).type == "cuda":  # elsewhere: the CPU tests' stand-in FlashInfer
+            done = torch.cuda.Event()
+            done.record()
+            self._planned[id(wrapper)] = done
 
     def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
         ctx = self.ctx

@@ -85,5 +85,11 @@ class CudaGraphRunner:
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         static = self.inputs.load(batch, bs)
         self.backend.plan_graph_decode(self.states[bs], static)
-        self.graphs[bs].replay()
+        # A real replay runs the kernels captured with this state whatever is active; a capture
+        # that re-runs the forward (the CPU tests') must see the same state.
+        self.backend.use_graph_state(self.states[bs])
+        try:
+            self.graphs[bs].replay()
+        finally:
+            self.backend.use_graph_state(None)
         return self.outputs[bs][:b]
