@@ -1,15 +1,13 @@
-"""The GPU path's logic, tested on CPU (issue: the GPU path works by default).
+"""The GPU path's device side, tested on CPU (issue: the GPU path works by default).
 
-Everything here runs without a GPU: which attention backend a model gets, the CUDA-graph
-runner's static inputs, buckets, padding and output contract (through a capture that
-re-runs the forward instead of recording it), the device-side page table FlashInfer is
-planned with, the KV-pool sizing arithmetic, the prefill chunk default, and the stream
-hand-off between the scheduler and the forward thread.
+Which attention backend a model gets, the CUDA-graph runner's static inputs, buckets,
+padding and output contract (through a capture that re-runs the forward instead of
+recording it), and the page table FlashInfer is planned with. The host side (sizing,
+stream hand-off, the row-table mirror) is in test_gpu_host_side.py.
 """
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -18,13 +16,11 @@ import torch
 from tandem.engine.attention import choose_backend, create_backend
 from tandem.engine.attention.flashinfer_backend import host_page_counts, page_indices
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
-from tandem.engine.engine_config import EngineConfig, default_chunked_prefill_size
-from tandem.engine.kvcache.kv_memory import kv_budget_bytes, reserve_bytes
-from tandem.engine.runner.config import ModelConfig, RunnerConfig
+from tandem.engine.engine_config import EngineConfig
+from tandem.engine.runner.config import RunnerConfig
 from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner, graph_buckets
 from tandem.engine.runner.graph_inputs import DecodeGraphInputs
 from tandem.engine.runner.model_runner import ModelRunner
-from tandem.engine.runner.model_worker import OverlapWorker
 from tandem.engine.runner.static_generate import StaticBatch
 from tandem.engine.scheduler.sampling_params import SamplingParams
 
@@ -186,105 +182,3 @@ def test_page_table_is_built_on_the_device_tensors_and_matches_the_rows(page_siz
     assert indptr.device.type == last.device.type == "cpu"  # plan reads host copies: none made from the GPU
     assert indptr.tolist() == [0, *torch.tensor([-(-n // page_size) for n in lens]).cumsum(0).tolist()]
     assert last.tolist() == [(n - 1) % page_size + 1 for n in lens]
-
-
-# ---- KV-pool sizing -----------------------------------------------------------------------------
-GIB = 1 << 30
-
-
-def test_kv_budget_counts_the_weights_once_and_leaves_the_reserve_free() -> None:
-    # 80 GiB device, 16 GiB of weights already loaded (so 64 GiB free), 0.5 for weights + KV.
-    assert kv_budget_bytes(80 * GIB, 64 * GIB, 16 * GIB, 0.5, 2 * GIB) == 24 * GIB
-    # The old arithmetic, (free * fraction - weights), gave 16 GiB: the weights subtracted twice.
-    # Whatever else holds memory (another process), the reserve stays free.
-    assert kv_budget_bytes(80 * GIB, 20 * GIB, 16 * GIB, 0.9, 4 * GIB) == 16 * GIB
-    assert kv_budget_bytes(80 * GIB, 3 * GIB, 16 * GIB, 0.9, 4 * GIB) == 0
-
-
-def test_reserve_covers_activations_logits_and_graphs_on_cuda(model_path) -> None:
-    mc = ModelConfig.from_pretrained(model_path("tiny"))
-    small = RunnerConfig(max_running_requests=8, max_forward_tokens=512)
-    big = RunnerConfig(max_running_requests=256, max_forward_tokens=8192)
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert reserve_bytes(mc, big, BF16, cpu) > reserve_bytes(mc, small, BF16, cpu) > 0
-    assert reserve_bytes(mc, big, BF16, cuda) - reserve_bytes(mc, big, BF16, cpu) == GIB
-    chunked = EngineConfig(chunked_prefill_size=4096, max_prefill_tokens=2048)
-    assert chunked.runner_config().max_forward_tokens == 4096
-
-
-# ---- chunked prefill default --------------------------------------------------------------------
-def test_prefill_chunk_grows_with_gpu_memory_and_stays_2048_on_cpu() -> None:
-    assert default_chunked_prefill_size("cpu") == 2048
-    assert default_chunked_prefill_size("cuda", 24 * GIB) == 2048
-    assert default_chunked_prefill_size("cuda", 48 * GIB) == 4096
-    assert default_chunked_prefill_size("cuda", 80 * GIB) == 8192
-    assert EngineConfig(device="cpu").chunk_size == 2048
-    assert EngineConfig(device="cpu", chunked_prefill_size=512).chunk_size == 512
-    assert EngineConfig(device="cpu", chunked_prefill_size=0).chunk_size is None
-
-
-# ---- overlap: the forward waits for the scheduler's writes --------------------------------------
-def test_overlap_forward_waits_for_the_handoff_marked_at_launch() -> None:
-    log: list[tuple[str, str, int]] = []
-    marks = iter(range(100))
-
-    class Handoff:
-        def mark(self):
-            token = next(marks)
-            log.append(("mark", threading.current_thread().name, token))
-            return token
-
-        def wait(self, token):
-            log.append(("wait", threading.current_thread().name, token))
-
-    class Worker:
-        runner = SimpleNamespace(device=torch.device("cpu"))
-
-        def forward_batch_generation(self, mwb, future_map, idx):
-            log.append(("forward", threading.current_thread().name, mwb))
-            return mwb
-
-    future_map = SimpleNamespace(alloc=lambda n: torch.arange(1, n + 1))
-    ow = OverlapWorker(Worker(), future_map, handoff=Handoff())  # type: ignore[arg-type]
-    futures = [ow.launch(SimpleNamespace(req_pool_indices=[0], n=i))[0] for i in range(3)]
-    [f.result(timeout=10) for f in futures]
-    ow.shutdown()
-    launcher = threading.current_thread().name
-    assert [e[:2] for e in log if e[0] == "mark"] == [("mark", launcher)] * 3
-    forwards = [e for e in log if e[0] != "mark"]
-    for i in range(3):  # each forward, on the forward thread, right after waiting on its own mark
-        (w, wt, token), (f, ft, mwb) = forwards[2 * i], forwards[2 * i + 1]
-        assert (w, f, token, mwb.n) == ("wait", "forward", i, i) and wt == ft != launcher
-
-
-# ---- the scheduler reads request rows from a host mirror, never from the device ----------------
-def test_scheduler_on_a_mirrored_row_table_matches_and_keeps_the_mirror_exact(monkeypatch) -> None:
-    """Off the CPU the request-row table has a host mirror the scheduler reads (a request's last
-    slot each decode step, its slots when it finishes or is cached), so no step waits on the
-    GPU. Forced on here: same tokens as the plain table, through prefix hits, chunked prefill
-    and overlap, and flush's integrity check finds the mirror equal to the table."""
-    import functools
-
-    from tandem.engine.engine import Engine
-    from tandem.engine.kvcache import kv_memory
-    from tandem.engine.kvcache.req_table import ReqToTokenPool
-
-    g = torch.Generator().manual_seed(7)
-    shared = torch.randint(10, 8000, (40,), generator=g).tolist()
-    prompts = [shared + torch.randint(10, 8000, (n,), generator=g).tolist() for n in (5, 70, 12, 33)]
-    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (9, 3, 17, 6)]
-    kw = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=32, max_total_tokens=2048,
-              disable_overlap_schedule=False)
-
-    def run() -> tuple[list[list[int]], bool]:
-        with Engine("tiny", **kw) as eng:
-            out = [r["token_ids"] for r in eng.generate(prompts[:1], params[:1])]  # cached, then hit
-            out += [r["token_ids"] for r in eng.generate(prompts[1:], params[1:])]
-            assert all(r.ok for r in eng.flush_cache())
-            table = eng._backend.scheduler.runner.req_to_token_pool
-            return out, table.host is not table.req_to_token
-
-    plain, mirrored = run()
-    assert not mirrored
-    monkeypatch.setattr(kv_memory, "ReqToTokenPool", functools.partial(ReqToTokenPool, host_mirror=True))
-    assert run() == (plain, True)

@@ -33,6 +33,7 @@ class ReqToTokenPool:
         # reach the table from the allocator and from mirror rows: host tensors, never a sync.
         mirror = torch.device(device).type != "cpu" if host_mirror is None else host_mirror
         self.host = torch.zeros((size, max_context_len), dtype=torch.int32) if mirror else self.req_to_token
+        self._next_check_row = 0
         self._free: list[int] = list(range(size))
         self._held: list[int] = []
 
@@ -73,9 +74,20 @@ class ReqToTokenPool:
             self.req_to_token[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = host.to(
                 dev, non_blocking=True)
 
+    def _check_mirror(self, max_bytes: int = 64 << 20) -> None:
+        """The mirror equals the table: all of it when that is small, else 8 rows in turn per
+        call (a whole GPU table can be hundreds of MB to copy back, and this runs on each idle)."""
+        rows = range(self.size)
+        if self.host.numel() * 4 > max_bytes:
+            start = self._next_check_row
+            rows = range(start, min(start + 8, self.size))
+            self._next_check_row = rows[-1] + 1 if rows[-1] + 1 < self.size else 0
+        dev = self.req_to_token[rows.start : rows.stop].cpu()
+        assert torch.equal(self.host[rows.start : rows.stop], dev), "host mirror differs from req_to_token"
+
     def check_integrity(self, in_use: int | None = None) -> None:
         if self.host is not self.req_to_token:
-            assert torch.equal(self.host, self.req_to_token.cpu()), "host mirror differs from req_to_token"
+            self._check_mirror()
         released = self._free + self._held
         assert len(set(released)) == len(released), "request slot freed twice"
         if in_use is not None:
