@@ -202,6 +202,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default="throughput", help=f"vllm: comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--batches", default="64,256", help="overhead: decode batch sizes (1 = the fixed cost a step)")
     args = ap.parse_args()
     base = {"dtype": args.dtype, "page_size": 16, "max_running_requests": 256}
     ours = lambda wl, **kw: (lambda: _ours_subprocess(args, wl, {**base, **kw}))  # noqa: E731
@@ -217,11 +218,15 @@ def main() -> None:
                "lpm_vs_fcfs": compare_in_process(args, "shared", ("lpm", lpm),
                                                  ("fcfs", {**base, "schedule_policy": "fcfs"}))}
     else:
-        res = {f"batch{n}": ours(f"batch{n}", max_running_requests=n)() for n in (64, 256)}
-        for n, r in res.items():
-            print(f"{n}: {r['metrics'].get('overhead_per_req_step_us', 0):.1f} us per request per decode step")
+        sizes = [int(n) for n in args.batches.split(",")]
+        res = {f"batch{n}": ours(f"batch{n}", max_running_requests=n)() for n in sizes}
+        for name, r in res.items():
+            us = r["metrics"].get("overhead_per_req_step_us", 0)
+            n = int(name.removeprefix("batch"))
+            print(f"{name}: {us:.1f} us per request per decode step, {us * n:.0f} us per step")
     res.update({"model": args.model, "dtype": args.dtype, "threads": args.threads}) if isinstance(res, dict) else None
-    out = ROOT / "docs/results" / f"throughput_{args.what}_{args.model}.json"
+    tag = f"_b{args.batches.replace(',', '-')}" if args.what == "overhead" and args.batches != "64,256" else ""
+    out = ROOT / "docs/results" / f"throughput_{args.what}_{args.model}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")
