@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -85,15 +87,22 @@ class DataParallelController:
         self.owner: dict[str, tuple[int, int]] = {}  # rid -> (rank, tokens)
         self._lock = threading.Lock()
         self.ctx = zmq.Context()
-        self._dir = tempfile.mkdtemp(prefix="tandem-dp-")
-        out_addr = f"ipc://{self._dir}/out"
+        if sys.platform.startswith("linux"):
+            # Abstract unix sockets: no files, so even a killed server leaves nothing in /tmp
+            # (socket directories did pile up there from workers the tests kill -9).
+            self._dir: str | None = None
+            base = f"ipc://@tandem-dp-{uuid.uuid4().hex}"
+        else:
+            self._dir = tempfile.mkdtemp(prefix="tandem-dp-")
+            base = f"ipc://{self._dir}"
+        out_addr = f"{base}/out"
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(out_addr)
         self.pushes = []
         spawn = mp.get_context("spawn")
         self.procs = []
         for rank in range(config.dp_size):
-            addr = f"ipc://{self._dir}/in{rank}"
+            addr = f"{base}/in{rank}"
             s = self.ctx.socket(zmq.PUSH)
             s.bind(addr)
             self.pushes.append(s)
@@ -215,7 +224,8 @@ class DataParallelController:
         for s in self.pushes:
             s.close(linger=0)
         self.ctx.term()  # every socket is closed with linger 0: this cannot block
-        shutil.rmtree(self._dir, ignore_errors=True)  # the ipc socket files
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)  # the ipc socket files
         # Reaped (joined) above: drop the handles, and their pipes and sentinels with them.
         for p in self.procs:
             if not p.is_alive():

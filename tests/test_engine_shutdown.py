@@ -95,7 +95,13 @@ def test_atexit_shuts_down_engines_still_alive(model_path) -> None:
 
 
 def test_dp_shutdown_leaves_no_scheduler_process(model_path) -> None:
+    import glob
+    import sys
+
+    socket_dirs = set(glob.glob("/tmp/tandem-dp-*"))
     eng = _engine(model_path, dp_size=2)
+    if sys.platform.startswith("linux"):  # abstract sockets: nothing on disk for a kill -9 to leave
+        assert eng._backend._dir is None and set(glob.glob("/tmp/tandem-dp-*")) == socket_dirs
     try:
         _generate_once(eng)
         pids = [p.pid for p in eng._backend.procs]
