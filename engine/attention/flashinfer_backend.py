@@ -74,6 +74,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         self.active_decode_wrapper = self.decode_wrapper
         self._planned: dict[int, torch.cuda.Event] = {}
+        self._fence = torch.device(ctx.device).type == "cuda"  # off only under the CPU tests' stand-in
 
     # ---- plans -------------------------------------------------------------------------------
     def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,7 +92,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if done is not None:
             done.synchronize()
         wrapper.plan(*args, **kw)  # type: ignore[attr-defined]
-        if torch.device(self.ctx.device).type == "cuda":  # elsewhere: the CPU tests' stand-in FlashInfer
+        if self._fence:
             done = torch.cuda.Event()
             done.record()
             self._planned[id(wrapper)] = done

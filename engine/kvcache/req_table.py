@@ -77,13 +77,12 @@ class ReqToTokenPool:
     def _check_mirror(self, max_bytes: int = 64 << 20) -> None:
         """The mirror equals the table: all of it when that is small, else 8 rows in turn per
         call (a whole GPU table can be hundreds of MB to copy back, and this runs on each idle)."""
-        rows = range(self.size)
+        start, stop = 0, self.size
         if self.host.numel() * 4 > max_bytes:
-            start = self._next_check_row
-            rows = range(start, min(start + 8, self.size))
-            self._next_check_row = rows[-1] + 1 if rows[-1] + 1 < self.size else 0
-        dev = self.req_to_token[rows.start : rows.stop].cpu()
-        assert torch.equal(self.host[rows.start : rows.stop], dev), "host mirror differs from req_to_token"
+            start, stop = self._next_check_row, min(self._next_check_row + 8, self.size)
+            self._next_check_row = stop % self.size
+        assert torch.equal(self.host[start:stop], self.req_to_token[start:stop].cpu()), (
+            "host mirror differs from req_to_token")
 
     def check_integrity(self, in_use: int | None = None) -> None:
         if self.host is not self.req_to_token:

@@ -98,6 +98,14 @@ class Ports:
         raise RuntimeError(f"no {count} consecutive free ports above {start}")
 
 
+_PROCESS_PORTS = Ports()
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range, never the same one twice in this process."""
+    return _PROCESS_PORTS.one()
+
+
 def _static_range() -> tuple[int, int]:
     """[low, high) of ports the kernel never hands out on its own: 10000 up to its ephemeral
     range (net.ipv4.ip_local_port_range, 32768 by default)."""

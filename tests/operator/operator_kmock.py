@@ -40,7 +40,7 @@ import kmock
 from kmock._internal import enums
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.local.plan import Ports
+from tandem.local.plan import free_port  # noqa: F401  (the tests import it from here)
 
 T = TypeVar("T")
 CR_RESOURCE = "tandem.dev/v1alpha1/inferenceservices"
@@ -263,14 +263,6 @@ class KmockCluster:
                         and (namespace is None or ns == namespace)]
 
         return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(10)
-
-
-_PORTS = Ports()
-
-
-def free_port() -> int:
-    """A free port outside the ephemeral range, never the same twice in this process (see Ports)."""
-    return _PORTS.one()
 
 
 def scrape(port: int) -> dict[str, float]:

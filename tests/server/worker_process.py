@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from tandem import worker_contract as contract
-from tandem.local.plan import Ports
+from tandem.local.plan import free_port
 
 
 def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, str]:
@@ -40,14 +40,6 @@ def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, st
             proc.kill()
             raise RuntimeError("sglang-router did not come up")
         time.sleep(0.5)
-
-
-_PORTS = Ports()
-
-
-def free_port() -> int:
-    """A free port outside the ephemeral range, never the same twice in this process (see Ports)."""
-    return _PORTS.one()
 
 
 class Worker:
