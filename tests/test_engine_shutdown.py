@@ -26,6 +26,7 @@ def _engine(model_path: Any, **config: Any) -> Engine:
 def _generate_once(eng: Engine) -> None:
     out = eng.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
     assert len(out[0]["token_ids"]) == 2
+    assert all(r.ok for r in eng.flush_cache())  # every pool whole before the shutdown under test
 
 
 def test_dropped_engine_is_garbage_collected(model_path) -> None:

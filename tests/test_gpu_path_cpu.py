@@ -152,6 +152,7 @@ def test_flashinfer_backend_under_graphs_matches_its_eager_self(model_path, monk
     assert decode_plans and {p.batch for p in decode_plans} <= {1, 2, 4, 8}  # padded buckets only
     assert all(p.host_indptr for p in fake_flashinfer.PLANS)
     runner.kv_pool.check_integrity(in_use_pages=0)
+    runner.req_to_token_pool.check_integrity(in_use=0)
 
 
 def test_forward_under_graphs_returns_the_static_output_until_the_next_forward(model_path) -> None:
@@ -168,6 +169,8 @@ def test_forward_under_graphs_returns_the_static_output_until_the_next_forward(m
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
     assert torch.equal(first, second) and not torch.equal(kept, second)
     sb.release(seqs)
+    runner.kv_pool.check_integrity(in_use_pages=0)
+    runner.req_to_token_pool.check_integrity(in_use=0)
 
 
 # ---- the page table FlashInfer is planned with ------------------------------------------------
