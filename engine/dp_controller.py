@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-import sys
-import tempfile
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
+from tandem.engine import socket_dir
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.launch import run_scheduler_process
 from tandem.protocol.messages import (
@@ -87,14 +85,10 @@ class DataParallelController:
         self.owner: dict[str, tuple[int, int]] = {}  # rid -> (rank, tokens)
         self._lock = threading.Lock()
         self.ctx = zmq.Context()
-        if sys.platform.startswith("linux"):
-            # Abstract unix sockets: no files, so even a killed server leaves nothing in /tmp
-            # (socket directories did pile up there from workers the tests kill -9).
-            self._dir: str | None = None
-            base = f"ipc://@tandem-dp-{uuid.uuid4().hex}"
-        else:
-            self._dir = tempfile.mkdtemp(prefix="tandem-dp-")
-            base = f"ipc://{self._dir}"
+        # Under a 0700 directory, never abstract sockets, which any process in the network
+        # namespace can reach (engine/socket_dir.py); a killed server's is swept at the next start.
+        self._dir: str | None = str(socket_dir.make())
+        base = f"ipc://{self._dir}"
         out_addr = f"{base}/out"
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(out_addr)
@@ -145,6 +139,7 @@ class DataParallelController:
         self.pull.close(linger=0)
         for s in self.pushes:
             s.close(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _read(self) -> None:
         # Polls with a timeout so shutdown can stop it: zmq sockets must not be closed

@@ -96,13 +96,11 @@ def test_atexit_shuts_down_engines_still_alive(model_path) -> None:
 
 
 def test_dp_shutdown_leaves_no_scheduler_process(model_path) -> None:
-    import glob
-    import sys
+    import stat
 
-    socket_dirs = set(glob.glob("/tmp/tandem-dp-*"))
     eng = _engine(model_path, dp_size=2)
-    if sys.platform.startswith("linux"):  # abstract sockets: nothing on disk for a kill -9 to leave
-        assert eng._backend._dir is None and set(glob.glob("/tmp/tandem-dp-*")) == socket_dirs
+    sockets = Path(eng._backend._dir)
+    assert stat.S_IMODE(sockets.stat().st_mode) == 0o700  # only this user reaches the schedulers
     try:
         _generate_once(eng)
         pids = [p.pid for p in eng._backend.procs]
@@ -112,6 +110,7 @@ def test_dp_shutdown_leaves_no_scheduler_process(model_path) -> None:
     # join() reaped them: not even a zombie is left under these pids.
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
     assert eng._backend.procs == []
+    assert not sockets.exists()
     with pytest.raises(RuntimeError, match="shut down"):  # what the server's front catches
         eng._backend.send(AbortReq("late"))
     eng.shutdown()

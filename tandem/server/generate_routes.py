@@ -1,8 +1,13 @@
 """SGLang's native POST /generate, so sgl-router (and SGLang clients) can front our workers.
 
 The body is text or input_ids (one or a batch), SGLang's sampling_params, `stream`,
-`return_logprob`/`top_logprobs_num`, `rid`, and the PD bootstrap fields. A streamed
-chunk carries the text and ids so far, as SGLang's default (non-incremental) output does.
+`return_logprob`/`top_logprobs_num`, `rid`, and the PD bootstrap fields.
+
+A streamed chunk carries only what is new since the previous one (text, ids, logprobs), as
+SGLang does with --incremental-streaming-output; its meta_info counts are running totals.
+SGLang's default resends everything so far in every chunk, which is quadratic in the
+answer's length: a long stream with logprobs would cost the worker's event loop seconds of
+JSON per request, an easy way for one client to slow every other.
 """
 
 from __future__ import annotations
@@ -61,8 +66,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     if body.return_logprob or body.top_logprobs_num:
         sp["return_logprob"], sp["top_logprobs_num"] = True, body.top_logprobs_num
     jobs = []
-    for prompt in body.prompts():
-        ids = rt.tokens.encode(prompt)
+    for ids in await rt.tokens.encode_many(body.prompts()):
         rt.tokens.max_new_tokens(len(ids), sp["max_new_tokens"])
         jobs.append((ids, sp))
     choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid, **bootstrap)
@@ -76,13 +80,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
 
 async def _stream(rt: Runtime, c: Choice, t0: float, logprob: bool) -> AsyncIterator[str]:
-    deltas: list[Delta] = []
-    ids: list[int] = []
     try:
         async for d in merged(rt.front, [c]):
-            deltas.append(d)
-            ids += d.token_ids
-            chunk = {"text": c.text.text, "output_ids": ids, "meta_info": _meta(c, deltas, t0, logprob)}
+            chunk = {"text": d.text, "output_ids": d.token_ids, "meta_info": _meta(c, [d], t0, logprob)}
             yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
     except ApiError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"

@@ -67,8 +67,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     bootstrap = rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
     jobs, echoes = [], []
-    for prompt in body.prompts():
-        ids = rt.tokens.encode(prompt)
+    prompts = body.prompts()
+    for prompt, ids in zip(prompts, await rt.tokens.encode_many(prompts)):
         budget = rt.tokens.max_new_tokens(len(ids), body.max_tokens)
         echo = (prompt if isinstance(prompt, str) else rt.tokens.decode(ids)) if body.echo else ""
         for i in range(body.n):
@@ -133,7 +133,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     rt: Runtime = request.app.state.runtime
     bootstrap = rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
-    ids = rt.tokens.chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    ids = await rt.tokens.chat_ids([{"role": m.role, "content": m.text()} for m in body.messages])
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],

@@ -1,8 +1,16 @@
 """Tokenization in the front: prompts, chat templates, token text for logprobs, and the
-checks against the model's limits that turn an oversized request into a 400."""
+checks against the model's limits that turn an oversized request into a 400.
+
+The handlers tokenize through `encode_many` and `chat_ids`, on a small thread pool: a
+megabyte prompt or a long conversation through a Jinja template takes the CPU for a good
+fraction of a second, which on the event loop would stall every other stream's tokens. The
+Rust tokenizers release the GIL, so the pool runs beside the loop, not just instead of it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -16,6 +24,17 @@ class Tokens:
         self.capacity_tokens = int(info["capacity_tokens"])
         self.vocab_size = int(info["vocab_size"])
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tandem-tokenize")
+
+    async def encode_many(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Every prompt's ids, tokenized off the event loop."""
+        if all(not isinstance(p, str) for p in prompts):  # ids only: a range check, no tokenizer
+            return [self.encode(p) for p in prompts]
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: [self.encode(p) for p in prompts])
+
+    async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The templated conversation's ids, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.chat, messages)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -25,8 +25,8 @@ def test_32_concurrent_streams_match_the_engine(worker, model_path) -> None:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    ids, text = chunk["output_ids"], chunk["text"]
+                    chunk = json.loads(line[6:])  # incremental: each chunk holds what is new
+                    ids, text = ids + chunk["output_ids"], text + chunk["text"]
         return ids, text
 
     async def main() -> list[tuple[list[int], str]]:
@@ -69,3 +69,23 @@ def test_dp2_worker_matches_the_engine(model_path) -> None:
         assert got == [e["token_ids"] for e in expected]
         state = w.pool()
         assert [r["dp_rank"] for r in state["ranks"]] == [0, 1] and state["whole"], state
+
+
+def test_generate_streams_only_what_is_new(worker) -> None:
+    """Each /generate chunk carries the new text, ids and logprobs only (never all so far: that is
+    quadratic in the answer's length); together they are the non-streamed answer."""
+    body = {"text": "count with me", "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    whole = worker.post("/generate", body).json()
+    chunks = []
+    with httpx.stream("POST", worker.url + "/generate", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert len(chunks) > 1 and all(len(c["output_ids"]) < 24 for c in chunks)
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    lps = [x for c in chunks for x in c["meta_info"]["output_token_logprobs"]]
+    assert [x[1] for x in lps] == whole["output_ids"]
+    assert all(len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"]) for c in chunks)
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 24  # counts stay running totals
