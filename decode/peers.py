@@ -5,22 +5,27 @@
                                       v
                                    (absent; the waiting requests fail with the reason)
 
-A peer's key is its bootstrap address "host:port", which is what requests carry.
-Nothing is sticky: a dead or restarted prefill is forgotten and the next request to
-its address handshakes again, so decode never needs a restart of its own.
+A peer's key is its bootstrap address "host:port" (allowlist.py: only configured
+peers and what they resolve to ever get here). Nothing is sticky: a dead or restarted
+prefill is forgotten and the next request to its address handshakes again, so decode
+never needs a restart of its own; a configured peer is handshaken again by
+keep_connected, at most every RETRY_S.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.transfer.setup import TransferParts
+from tandem.engine.transfer.setup import TransferParts, refused
 from tandem.protocol import pd
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # a configured peer that failed is handshaken again after this
 
 
 @dataclass
@@ -36,15 +41,17 @@ class Peer:
 
 
 class PrefillPeers:
-    def __init__(self, parts: TransferParts, timeout: float) -> None:
+    def __init__(self, parts: TransferParts, timeout: float, configured: Sequence[str] = ()) -> None:
         self.parts, self.channel, self.transfer = parts, parts.channel, parts.transfer
         self.hello = pd.Hello(parts.name, **parts.describe())
         self.timeout = timeout
+        self.configured = list(configured)
         self.peers: dict[str, Peer] = {}
+        self.retry_at: dict[str, float] = {}  # configured peers only
         self.handshake_failures = 0
 
     def get(self, key: str) -> Peer:
-        """The peer at `key`, starting its handshake if it is new."""
+        """The peer at `key` ("host:port", allowed already), starting its handshake if it is new."""
         peer = self.peers.get(key)
         if peer is None:
             peer = self.peers[key] = Peer(key, time.monotonic())
@@ -52,18 +59,26 @@ class PrefillPeers:
             self.channel.send(key, self.hello)
         return peer
 
+    def keep_connected(self) -> None:
+        """Configured peers are always being handshaken: readiness depends on them."""
+        now = time.monotonic()
+        for key in self.configured:
+            if key not in self.peers and now >= self.retry_at.get(key, 0.0):
+                self.get(key)
+
     def welcome(self, key: str, w: pd.Welcome) -> str | None:
         """Finish a handshake; returns the error if it failed (the peer is then dropped)."""
         peer = self.peers.get(key)
         if peer is None or peer.ready:
             return None  # an answer to a handshake we gave up on
-        error = w.error if not w.ok else None
+        error = w.error if not w.ok else None  # a refusal names the fields only
         if error is None:
-            peer.agent, error = self.parts.add_peer(w)
+            peer.agent, problems = self.parts.add_peer(w)
+            error = refused(problems, detail=True) if problems else None
         if peer.agent is None:
             self.handshake_failures += 1
             log.error("prefill %s: %s", key, error)
-            self.drop(key)
+            self.drop(key, retry=self.timeout)  # a mismatch holds until one side is redeployed
             return error
         peer.name = w.name
         self.channel.accept(key)
@@ -74,7 +89,9 @@ class PrefillPeers:
         now = time.monotonic()
         return [p.key for p in self.peers.values() if not p.ready and now - p.since > self.timeout]
 
-    def drop(self, key: str) -> None:
+    def drop(self, key: str, retry: float = RETRY_S) -> None:
+        if key in self.configured:
+            self.retry_at[key] = time.monotonic() + retry
         peer = self.peers.pop(key, None)
         self.channel.forget(key)
         if peer is not None and peer.agent is not None:

@@ -2,6 +2,7 @@
 
 A request carrying bootstrap_host/port/room goes through
 
+    resolving (allowlist.py: not a configured prefill's address: 400, nothing connects) -->
     bootstrap --handshake ok--> prealloc --pages + slot reserved, KVDest sent--> transfer
         |                          |   (waits while the pool is full)                |
         |                          +--> uncached part short: prefill it here          |
@@ -13,7 +14,8 @@ Pages reserved for a transfer are never cached or freed while prefill may still 
 an abort during transfer sends KVCancel and keeps them until prefill answers KVCancelled
 (or is declared dead, or the cancel times out). A request without bootstrap fields is
 prefilled here, like colocated. Prefix reuse: the prompt is matched against decode's own
-radix cache first and prefill sends only the pages from the first uncached one.
+radix cache first and prefill sends only the pages from the first uncached one. What
+prefill writes is checked before use: notifications (arrival.py) and the first token.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 
+from tandem.decode.allowlist import ALLOWED, REFUSED, Allowlist
+from tandem.decode.arrival import Arrival
 from tandem.decode.peers import PrefillPeers
 from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
@@ -42,42 +46,56 @@ log = logging.getLogger(__name__)
 class Incoming:
     req: Req
     room: int
-    peer: str
+    peer: str  # its prefill's key, "" while resolving
     since: float
-    stage: str = "bootstrap"  # bootstrap | prealloc | transfer | cancelling
+    stage: str = "bootstrap"  # resolving | bootstrap | prealloc | transfer | cancelling
+    host: str = ""  # bootstrap_host:bootstrap_port as the request gave them
+    port: int = 0
     slot: int | None = None
     chunks: int = 0
     total: int | None = None
 
 
 class DecodeReceiver:
-    def __init__(self, sched: Any, transfer: Any, peers: PrefillPeers, slots: FirstTokenSlots) -> None:
+    def __init__(self, sched: Any, transfer: Any, peers: PrefillPeers, slots: FirstTokenSlots,
+                 allow: Allowlist) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
-        self.transfer, self.peers, self.slots = transfer, peers, slots
-        self.queue: deque[Incoming] = deque()  # bootstrap + prealloc, in arrival order
+        self.transfer, self.peers, self.slots, self.allow = transfer, peers, slots, allow
+        self.arrival = Arrival(peers)
+        self.vocab_size = sched.runner.vocab_size
+        self.queue: deque[Incoming] = deque()  # resolving + bootstrap + prealloc, in arrival order
         self.rooms: dict[int, Incoming] = {}
         self.by_rid: dict[str, Incoming] = {}
         self.stats = {"transferred": 0, "local_prefills": 0, "reused_tokens": 0, "failed": 0,
-                      "handshake_failures": 0}
+                      "handshake_failures": 0, "refused_addresses": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
                            pd.KVCancelled: self.on_cancelled}
-        self.configured = [k.strip() for k in (self.cfg.pd_prefill_peers or "").split(",") if k.strip()]
-        self._reconnect()
+        peers.keep_connected()
 
     # ---- requests ---------------------------------------------------------------------------------
     def admit(self, req: Req, msg: GenerateReq) -> bool:
         if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
             return False  # no prefill named: prefill here
-        inc = Incoming(req, msg.bootstrap_room, f"{msg.bootstrap_host}:{msg.bootstrap_port}", time.monotonic())
+        inc = Incoming(req, msg.bootstrap_room, "", time.monotonic(), "resolving", msg.bootstrap_host,
+                       msg.bootstrap_port)
         if inc.room in self.rooms:
             self._fail(inc, f"bootstrap_room {inc.room} is already in use")
             return True
         self.rooms[inc.room], self.by_rid[req.rid] = inc, inc
         self.queue.append(inc)
-        if self.peers.get(inc.peer).ready:
-            inc.stage = "prealloc"
+        self._place(inc)
         return True
+
+    def _place(self, inc: Incoming) -> None:
+        """Start the handshake with the request's prefill if decode may talk to it (allowlist.py);
+        a PENDING one is placed again at the next poll."""
+        verdict, key = self.allow.check(inc.host, inc.port)
+        if verdict == REFUSED:
+            self.stats["refused_addresses"] += 1
+            self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
+        elif verdict == ALLOWED:
+            inc.peer, inc.stage = key, "prealloc" if self.peers.get(key).ready else "bootstrap"
 
     def abort(self, rid: str) -> bool:
         inc = self.by_rid.get(rid)
@@ -116,28 +134,25 @@ class DecodeReceiver:
         for inc in [i for i in self.rooms.values() if i.peer == m.peer]:
             self._fail(inc, f"prefill {m.peer} is gone: {m.reason}")
         self.peers.drop(m.peer)
-        self._reconnect()
-
-    def _reconnect(self) -> None:
-        """Configured peers are always being handshaken (readiness depends on them); one that
-        is down is retried every pd_bootstrap_timeout, until it is back."""
-        for key in self.configured:
-            self.peers.get(key)
 
     # ---- the loop's poll ----------------------------------------------------------------------------
     def on_batch_done(self, batch: Any) -> None:
         """Nothing: a transferred request joins the running batch from poll."""
 
     def poll(self) -> None:
-        for _, note in self.transfer.poll().received:
-            room, chunk, total = pd.parse_notify(note)
-            inc = self.rooms.get(room)
-            if inc is None or inc.stage not in ("transfer", "cancelling"):
+        self.peers.channel.check()  # a dead control thread stops the scheduler: liveness fails
+        for agent, note in self.transfer.poll().received:
+            got = self.arrival.note(agent, note, self.rooms)
+            if got is None or got[0].stage not in ("transfer", "cancelling"):
                 continue
+            inc, total = got
             inc.chunks += 1
             inc.total = total if total is not None else inc.total
             if inc.stage == "transfer" and inc.chunks == inc.total:
                 self._complete(inc)
+        for inc in [i for i in self.queue if i.stage == "resolving"]:
+            self._place(inc)
+        self.peers.keep_connected()
         self._preallocate()
         self._expire()
 
@@ -182,7 +197,11 @@ class DecodeReceiver:
     def _complete(self, inc: Incoming) -> None:
         """Every chunk landed: the request joins the running batch with its first token."""
         req = inc.req
-        token, logprob, top = self.slots.read(inc.slot)
+        try:
+            token, logprob, top = self.slots.read(inc.slot, self.vocab_size)
+        except ValueError as exc:  # not a token of this model: this request fails, nothing else
+            self._fail(inc, f"prefill {inc.peer} sent a bad first token: {exc}")
+            return
         self._forget(inc)
         now = time.monotonic()
         req.first_token_time = req.last_token_time = now
@@ -207,16 +226,15 @@ class DecodeReceiver:
             self.peers.drop(key)
             for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
                 self._fail(inc, f"no handshake with prefill {key} within {cfg.pd_bootstrap_timeout:.0f} s")
-            self._reconnect()
-        limits = {"prealloc": cfg.pd_prealloc_timeout, "transfer": cfg.pd_transfer_timeout,
-                  "cancelling": cfg.pd_transfer_timeout}
+        limits = {"resolving": cfg.pd_bootstrap_timeout, "prealloc": cfg.pd_prealloc_timeout,
+                  "transfer": cfg.pd_transfer_timeout, "cancelling": cfg.pd_transfer_timeout}
         for inc in list(self.rooms.values()):
             limit = limits.get(inc.stage)
             if limit is None or now - inc.since <= limit:
                 continue
             if inc.stage == "transfer":
                 self._cancel(inc, f"KV did not arrive within {limit:.0f} s")
-            else:  # prealloc: the pool stayed full; cancelling: prefill never answered
+            else:  # resolving: DNS did not answer; prealloc: the pool stayed full; cancelling: no answer
                 self._fail(inc, f"gave up after {limit:.0f} s in {inc.stage}")
 
     # ---- the end of a room ---------------------------------------------------------------------------
@@ -231,8 +249,9 @@ class DecodeReceiver:
         self._finish(inc.req, why)
         inc.stage, inc.since = "cancelling", time.monotonic()
 
-    def _fail(self, inc: Incoming, why: str) -> None:
-        """The room is over: free what it holds, finish the request with `why` if it runs."""
+    def _fail(self, inc: Incoming, why: str, status: int = 503) -> None:
+        """The room is over: free what it holds, finish the request with `why` if it runs
+        (a PD fault is 503, retryable by a router; a bad request 400)."""
         if inc in self.queue:
             self.queue.remove(inc)
         if inc.req.req_pool_idx is not None:
@@ -240,12 +259,12 @@ class DecodeReceiver:
         self._forget(inc)
         if why:
             self.stats["failed"] += 1
-        self._finish(inc.req, why)
+        self._finish(inc.req, why, status)
         self.sched.reqs.pop(inc.req.rid, None)
 
-    def _finish(self, req: Req, why: str) -> None:
+    def _finish(self, req: Req, why: str, status: int = 503) -> None:
         if not req.finished():
-            req.finished_reason = finish_abort(why, 503)
+            req.finished_reason = finish_abort(why, status)
             req.status = ReqStatus.FINISHED
             self.sched.output.stream([req])
 
@@ -253,21 +272,26 @@ class DecodeReceiver:
         if inc.slot is not None:
             self.slots.release(inc.slot)
             inc.slot = None
-        self.rooms.pop(inc.room, None)
-        self.by_rid.pop(inc.req.rid, None)
+        if self.rooms.get(inc.room) is inc:  # a request refused for reusing a room leaves the room's owner
+            del self.rooms[inc.room]
+        if self.by_rid.get(inc.req.rid) is inc:
+            del self.by_rid[inc.req.rid]
 
     # ---- state ---------------------------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self.rooms)
 
     def ready(self) -> bool:
-        """A handshake with a configured prefill holds; with none configured, peers are only
-        known from requests, so readiness cannot wait for one."""
-        return self.peers.any_ready() or not self.configured
+        """The control channel runs and a handshake with a configured prefill holds; with none
+        configured this worker serves only requests it prefills itself."""
+        return self.peers.channel.alive() and (self.peers.any_ready() or not self.peers.configured)
 
     def status(self) -> dict[str, Any]:
+        channel = self.peers.channel
         return {"role": "decode", "ready": self.ready(), "peers": self.peers.status(), "rooms": len(self.rooms),
-                "queued": len(self.queue), "handshake_failures": self.peers.handshake_failures, **self.stats}
+                "queued": len(self.queue), "handshake_failures": self.peers.handshake_failures,
+                "control_alive": channel.alive(), "control_dropped": channel.dropped.count,
+                "notes_refused": self.arrival.refused, **self.stats}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.decode.allowlist import Allowlist, parse_peers
 from tandem.decode.peers import PrefillPeers
 from tandem.decode.receiver import DecodeReceiver
 from tandem.engine.transfer.setup import transfer_parts
@@ -12,8 +13,10 @@ from tandem.worker_contract import DECODE
 
 def attach(sched: Any, model_path: str) -> DecodeReceiver:
     cfg = sched.config
+    addresses = parse_peers(cfg.pd_prefill_peers)  # a bad entry fails the start-up, before any socket
     parts = transfer_parts(sched, model_path, DECODE)
     parts.channel.start()
-    part = DecodeReceiver(sched, parts.transfer, PrefillPeers(parts, cfg.pd_bootstrap_timeout), parts.slots)
+    peers = PrefillPeers(parts, cfg.pd_bootstrap_timeout, [a.key for a in addresses])
+    part = DecodeReceiver(sched, parts.transfer, peers, parts.slots, Allowlist(addresses))
     sched.attach(part)
     return part

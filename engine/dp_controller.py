@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +28,10 @@ import zmq
 
 from tandem.engine import socket_dir
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.launch import run_scheduler_process
+from tandem.engine.launch import FATAL, run_scheduler_process
 from tandem.protocol.messages import (
     AbortReq,
+    AdminResult,
     GenerateReq,
     ReqOutput,
     ShutdownReq,
@@ -144,11 +146,12 @@ class DataParallelController:
     def _read(self) -> None:
         # Polls with a timeout so shutdown can stop it: zmq sockets must not be closed
         # from another thread while this one blocks on them.
+        next_check = 0.0
         while not self._stopping.is_set():
+            if time.monotonic() >= next_check:  # on a clock: one rank's outputs must not hide another's death
+                self._check_ranks()
+                next_check = time.monotonic() + 0.1
             if not self.pull.poll(100):
-                dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
-                if dead and self.error is None:
-                    self.error = RuntimeError(f"DP rank(s) {dead} exited")
                 continue
             frames = self.pull.recv_multipart()
             outs = [decode(f) for f in frames]
@@ -158,7 +161,16 @@ class DataParallelController:
                         rank, tokens = self.owner.pop(o.rid, (None, 0))
                         if rank is not None:
                             self.budget.remove(rank, tokens)
+                elif isinstance(o, AdminResult) and o.rid.startswith(FATAL) and self.error is None:
+                    who = o.rid.removeprefix(FATAL)
+                    self.error = RuntimeError(f"scheduler rank {who} failed: {o.info.get('error')}")
             self.emit(outs)
+
+    def _check_ranks(self) -> None:
+        """A rank gone while serving is an error; during shutdown it is the point."""
+        dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        if dead and self.error is None and not self._closed:
+            self.error = RuntimeError(f"DP rank(s) {dead} exited")
 
     def send(self, msg: Any) -> None:
         """Admin commands go to every rank (each answers); requests follow the route table.

@@ -22,6 +22,9 @@ from tandem.protocol.messages import AdminResult, ShutdownReq, decode, encode
 from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
 
 Emit = Callable[[list[Any]], None]
+# The AdminResult rid prefix a scheduler process's last message carries when its loop raised:
+# the front learns why at once, rather than only that the process is gone.
+FATAL = "fatal-rank-"
 
 
 class SchedulerClient(Protocol):
@@ -210,5 +213,14 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
 
     threading.Thread(target=pump, daemon=True).start()
     push.send_multipart([encode(AdminResult(f"ready-{rank}", True, scheduler_info(sched)))])
-    sched.run()
-    push.close(linger=1000)
+    try:
+        sched.run()
+    except BaseException as exc:  # a fault batch_faults.py does not contain: this worker must go
+        fatal = AdminResult(f"{FATAL}{rank}", False, {"error": f"{type(exc).__name__}: {exc}"})
+        try:
+            push.send_multipart([encode(fatal)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # no front left to tell; blocking here would keep this process alive
+            pass
+        raise
+    finally:
+        push.close(linger=1000)

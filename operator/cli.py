@@ -91,6 +91,12 @@ def render_command(args: argparse.Namespace) -> int:
         except SpecError as exc:
             print(f"error: {names.KIND} {cr.get('metadata', {}).get('name')!r}: {exc}", file=sys.stderr)
             return 1
+    for cr in docs:  # not a child: the operator creates it once, with a random key (pd_secret.py)
+        secret = names.pd_secret_name(str((cr.get("metadata") or {}).get("name")))
+        print(f"# Prefill and decode pods read TANDEM_PD_SECRET from Secret {secret} (data key "
+              f"'{names.PD_SECRET_KEY}'),\n# which the operator creates; applying this without the operator, create "
+              "it first (a 40-character\n# Z85 key, e.g. python -c 'import os, zmq.utils.z85 as z; "
+              "print(z.encode(os.urandom(32)).decode())').")
     yaml.safe_dump_all(children, sys.stdout, sort_keys=False)
     return 0
 

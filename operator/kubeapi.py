@@ -33,6 +33,7 @@ PLURALS = {
     "Role": "roles",
     "RoleScaler": "rolescalers",
     "RoleBinding": "rolebindings",
+    "Secret": "secrets",
     "Service": "services",
     "ServiceAccount": "serviceaccounts",
     names.KIND: names.PLURAL,
@@ -169,6 +170,16 @@ class KubeApi:
             content=json.dumps(manifest).encode(),  # JSON is YAML, which apply-patch+yaml accepts
             headers={"Content-Type": "application/apply-patch+yaml"},
         )
+        return response.json()
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """A plain create (POST): 409 AlreadyExists when the object exists, which apply never says.
+        For objects that must be written once and never overwritten (pd_secret.py)."""
+        meta = manifest["metadata"]
+        path = resource_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        response = await self._send("POST", path, params={"fieldManager": self.field_manager},
+                                    content=json.dumps(manifest).encode(),
+                                    headers={"Content-Type": "application/json"})
         return response.json()
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ RoleMetrics for a role they could not read, which the policy treats as "hold".
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +15,7 @@ import httpx
 
 from tandem import metric_names as m
 from tandem.operator import names
+from tandem.operator.bounded_fetch import FetchLimits, fetch_text
 from tandem.operator.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics, router_pending
 
 
@@ -38,20 +40,25 @@ def ready_pods(pods: list[dict[str, Any]]) -> list[PodRef]:
 class ScrapeReader:
     """Scrapes pods directly; keeps the previous scrape to turn histogram counters into rates."""
 
-    def __init__(self, client: httpx.AsyncClient, port: int = names.HTTP_PORT, concurrency: int = 16):
+    def __init__(self, client: httpx.AsyncClient, port: int = names.HTTP_PORT, concurrency: int = 16,
+                 limits: FetchLimits = FetchLimits()):
         self._client = client
         self._port = port
+        self._limits = limits  # a pod runs the tenant's image: its /metrics is capped (bounded_fetch.py)
         self._limit = asyncio.Semaphore(concurrency)
         self._previous: dict[str, dict[str, PodMetrics]] = {}
 
-    async def _scrape(self, pod: PodRef) -> PodMetrics | None:
+    async def _fetch(self, pod: PodRef) -> str | None:
         async with self._limit:
             try:
-                response = await self._client.get(f"http://{pod.ip}:{self._port}{names.METRICS_PATH}")
-                response.raise_for_status()
+                return await fetch_text(self._client, f"http://{pod.ip}:{self._port}{names.METRICS_PATH}",
+                                        self._limits)
             except httpx.HTTPError:
-                return None  # one unreachable pod must not stall the decision for the others
-        return pod_metrics(pod.name, response.text)
+                return None  # unreachable, too big or too slow: no data from this pod, the others count
+
+    async def _scrape(self, pod: PodRef) -> PodMetrics | None:
+        text = await self._fetch(pod)
+        return None if text is None else pod_metrics(pod.name, text)
 
     def loads(self, role: str) -> dict[str, float]:
         """Pod -> waiting + running requests at the last scrape (for pod-deletion-cost)."""
@@ -60,21 +67,16 @@ class ScrapeReader:
     async def read_pending(self, routers: list[PodRef]) -> dict[str, float]:
         """Held requests per worker role, summed over the router pods."""
         total = {names.PREFILL: 0.0, names.DECODE: 0.0}
-        for pod in routers:
-            async with self._limit:
-                try:
-                    response = await self._client.get(f"http://{pod.ip}:{self._port}{names.METRICS_PATH}")
-                    response.raise_for_status()
-                except httpx.HTTPError:
-                    continue
-            for role, value in router_pending(response.text).items():
+        for text in await asyncio.gather(*(self._fetch(pod) for pod in routers)):
+            for role, value in router_pending(text or "").items():
                 total[role] += value
         return total
 
     async def read(self, pods: dict[str, list[PodRef]]) -> dict[str, RoleMetrics]:
         out: dict[str, RoleMetrics] = {}
-        for role, refs in pods.items():
-            scraped = await asyncio.gather(*(self._scrape(p) for p in refs))
+        # Every pod of every role at once (up to `concurrency`): slow pods cost one deadline, not one each.
+        rounds = await asyncio.gather(*(asyncio.gather(*(self._scrape(p) for p in refs)) for refs in pods.values()))
+        for role, scraped in zip(pods, rounds, strict=True):
             current = [p for p in scraped if p is not None]
             out[role] = role_metrics(current, self._previous.get(role, {}))
             self._previous[role] = {p.pod: p for p in current}
@@ -84,21 +86,22 @@ class ScrapeReader:
 class PrometheusReader:
     """Reads the same signals with PromQL; assumes the usual `namespace` and `pod` target labels."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, window: str = "2m"):
+    def __init__(self, client: httpx.AsyncClient, url: str, window: str = "2m", limits: FetchLimits = FetchLimits()):
         self._client = client
-        self._url = url.rstrip("/")
+        self._url = url.rstrip("/")  # from the CR: whatever answers there is untrusted (bounded_fetch.py)
         self._window = window
+        self._limits = limits
 
     async def _query(self, promql: str) -> float | None:
         try:
-            response = await self._client.get(f"{self._url}/api/v1/query", params={"query": promql})
-            response.raise_for_status()
-            result = response.json()["data"]["result"]
-        except (httpx.HTTPError, KeyError, ValueError):
+            text = await fetch_text(self._client, f"{self._url}/api/v1/query", self._limits, {"query": promql})
+            result = json.loads(text)["data"]["result"]
+            if not result:
+                return None
+            value = float(result[0]["value"][1])
+        # Any malformed answer is no data; RecursionError: JSON nested thousands of levels deep.
+        except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError, RecursionError):
             return None
-        if not result:
-            return None
-        value = float(result[0]["value"][1])
         return None if value != value else value  # NaN: no samples in the window
 
     async def read_role(self, namespace: str, instance: str, role: str) -> RoleMetrics:
@@ -123,15 +126,14 @@ class PrometheusReader:
 
     async def read_pending(self, namespace: str, instance: str) -> dict[str, float]:
         match = f'namespace="{namespace}",pod=~"{names.role_name(instance, names.ROUTER)}-[a-z0-9]+-[a-z0-9]+"'
-        out = {}
-        for role in names.WORKER_ROLES:
-            roles = "decode|colocated" if role == names.DECODE else role
-            value = await self._query(f'sum({m.ROUTER_PENDING_REQUESTS}{{{match},role=~"{roles}"}})')
-            out[role] = value or 0.0
-        return out
+        selectors = {role: "decode|colocated" if role == names.DECODE else role for role in names.WORKER_ROLES}
+        values = await asyncio.gather(*(self._query(f'sum({m.ROUTER_PENDING_REQUESTS}{{{match},role=~"{roles}"}})')
+                                        for roles in selectors.values()))
+        return {role: value or 0.0 for role, value in zip(selectors, values, strict=True)}
 
     async def read(self, namespace: str, instance: str) -> dict[str, RoleMetrics]:
+        # Every query at once: a slow server costs one fetch deadline per round, not one per query.
         roles = names.WORKER_ROLES
-        results = await asyncio.gather(*(self.read_role(namespace, instance, r) for r in roles))
-        pending = await self.read_pending(namespace, instance)
+        *results, pending = await asyncio.gather(*(self.read_role(namespace, instance, r) for r in roles),
+                                                 self.read_pending(namespace, instance))
         return {r: replace(res, pending=pending[r]) for r, res in zip(roles, results, strict=True)}

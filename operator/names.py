@@ -95,6 +95,14 @@ def engine_config_name(instance: str, generation: str) -> str:
     return f"{instance}-engine-{generation}"
 
 
+def pd_secret_name(instance: str) -> str:
+    """The Secret the operator creates once per InferenceService: the prefill<->decode control key."""
+    return f"{instance}-pd-secret"
+
+
+PD_SECRET_KEY = contract.PD_SECRET_KEY  # the data key holding the Z85 text
+
+
 def network_policy_name(instance: str) -> str:
     return f"{instance}-internal-kv"
 

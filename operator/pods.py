@@ -25,11 +25,13 @@ def downward_env() -> list[dict[str, Any]]:
     return contract.downward_env()
 
 
-def drain_command(timeout_s: int) -> list[str]:
+def drain_command(timeout_s: int, admin_port: int = contract.ADMIN_PORT) -> list[str]:
     # The runtime image has python but no curl; POST /drain blocks until in-flight requests finish.
+    # It goes to the admin listener (127.0.0.1 only): the serving port refuses admin routes without
+    # the admin key, since behind a mesh sidecar every caller there looks like loopback.
     script = (
         "import urllib.request as u;"
-        f"u.urlopen(u.Request('http://127.0.0.1:{names.HTTP_PORT}{names.DRAIN_PATH}', method='POST'),"
+        f"u.urlopen(u.Request('http://127.0.0.1:{admin_port}{names.DRAIN_PATH}', method='POST'),"
         f" timeout={max(timeout_s, 1)})"
     )
     return ["python3", "-c", script]

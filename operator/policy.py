@@ -9,60 +9,27 @@ port is reachable only from the router, the operator and the namespaces named he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from tandem.operator import names
+from tandem.operator.secret_refs import referenced_secrets
 from tandem.operator.spec import ServiceSpec
+from tandem.operator.template_policy import template_problems
 
 
 @dataclass(frozen=True)
 class OperatorPolicy:
-    # hostPath model sources, and template overrides that reach the host or change identity
-    # (hostNetwork/PID/IPC, privileged, root, serviceAccountName, command/args).
+    # hostPath model sources, and template overrides outside template_policy.py's allowlists
+    # (host namespaces and ports, privileges, extra containers, foreign Secrets, command/args);
+    # with it the merged pods also keep whatever security context the template gives them.
     allow_host_access: bool = False
     # Namespaces whose pods may reach the workers' HTTP port (metrics, OpenAI API): the
     # operator's own namespace (it scrapes metrics) and e.g. a monitoring namespace.
     http_from_namespaces: tuple[str, ...] = ()
 
 
-HOST_FIELDS = ("hostNetwork", "hostPID", "hostIPC")
-IDENTITY_FIELDS = ("serviceAccountName", "serviceAccount")
-CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
-HINT = "the operator does not allow host access or identity changes (Helm value security.allowHostAccess)"
-
-
-def _security_problems(ctx: Any, where: str) -> list[str]:
-    if not isinstance(ctx, dict):
-        return []
-    bad = []
-    if ctx.get("privileged") is True:
-        bad.append(f"{where}.privileged")
-    if ctx.get("runAsUser") == 0:
-        bad.append(f"{where}.runAsUser: 0")
-    # Added capabilities (e.g. IPC_LOCK for RDMA) stay allowed: they are the namespace's Pod
-    # Security level's call, not a way onto the host.
-    return bad
-
-
-def _template_problems(template: dict[str, Any], where: str) -> list[str]:
-    pod = template.get("spec")
-    if not isinstance(pod, dict):
-        return []
-    bad = [f"{where}.spec.{key}" for key in HOST_FIELDS if pod.get(key)]
-    bad += [f"{where}.spec.{key}" for key in IDENTITY_FIELDS if pod.get(key)]
-    bad += _security_problems(pod.get("securityContext"), f"{where}.spec.securityContext")
-    for i, volume in enumerate(pod.get("volumes") or []):
-        if isinstance(volume, dict) and "hostPath" in volume:
-            bad.append(f"{where}.spec.volumes[{i}].hostPath")
-    for key in CONTAINER_LISTS:
-        for i, c in enumerate(pod.get(key) or []):
-            if not isinstance(c, dict):
-                continue
-            at = f"{where}.spec.{key}[{c.get('name', i)}]"
-            # The command is the worker contract's; a replaced one runs anything under the pod's identity.
-            bad += [f"{at}.{field}" for field in ("command", "args") if field in c]
-            bad += _security_problems(c.get("securityContext"), f"{at}.securityContext")
-    return bad
+# One line after the problems, not after each: what lifts the refusal.
+HINT = ("the operator's pod policy refuses host access, identity changes, extra containers, capabilities "
+        "beyond IPC_LOCK and Secrets its pods do not read (Helm value security.allowHostAccess lifts it)")
 
 
 def policy_problems(svc: ServiceSpec, policy: OperatorPolicy) -> list[str]:
@@ -70,6 +37,7 @@ def policy_problems(svc: ServiceSpec, policy: OperatorPolicy) -> list[str]:
     if policy.allow_host_access:
         return []
     bad = ["spec.model.hostPath"] if svc.model.host_path else []
+    secrets = referenced_secrets(svc.name, svc.api_key)
     for role in names.ROLES:
-        bad += _template_problems(svc.role(role).template, f"spec.{role}.template")
-    return [f"{field} is refused: {HINT}" for field in bad]
+        bad += template_problems(svc.role(role).template, f"spec.{role}.template", role, secrets)
+    return ([f"{field} is refused" for field in bad] + [HINT]) if bad else []

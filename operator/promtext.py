@@ -58,7 +58,10 @@ def buckets(samples: list[Sample], name: str) -> Buckets:
         le = s.label("le")
         if le is None:
             continue
-        bound = math.inf if le in ("+Inf", "Inf") else float(le)
+        try:
+            bound = math.inf if le in ("+Inf", "Inf") else float(le)
+        except ValueError:
+            continue  # a pod's metrics are the tenant's image's: skip what is not a number
         out[bound] = out.get(bound, 0.0) + s.value
     return out
 

@@ -14,6 +14,7 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.engine_config import engine_configmap
 from tandem.operator.generation import generation_of
+from tandem.operator.harden import harden_deployment
 from tandem.operator.network import (
     disruption_budget,
     generation_prefill_service,
@@ -104,6 +105,8 @@ def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, 
     children += [worker_deployment(svc, names.PREFILL, new[0], generation),
                  worker_deployment(svc, names.DECODE, new[1], generation)]
     children.append(router_deployment(svc, replicas.router))
+    if not policy.allow_host_access:  # after the template merge: no override keeps a privilege (harden.py)
+        children = [harden_deployment(c) if c["kind"] == "Deployment" else c for c in children]
     order = {kind: pos for pos, kind in enumerate(CHILD_KINDS)}
     return sorted(children, key=lambda c: order[(c["apiVersion"], c["kind"])])
 

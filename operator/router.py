@@ -17,6 +17,7 @@ from tandem.operator.pods import (
     restricted_security_context,
     with_requests,
 )
+from tandem.operator.secret_refs import router_secret_env
 from tandem.operator.spec import ServiceSpec
 
 ROUTER_DRAIN_S = 30
@@ -42,11 +43,11 @@ def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
         "imagePullPolicy": svc.image_pull_policy,
         "command": router_command(svc),
         "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
-        "env": downward_env(),
+        "env": downward_env() + router_secret_env(svc.api_key),
         "resources": with_requests(spec.resources, ROUTER_REQUESTS),
         "livenessProbe": http_probe(names.HEALTH_PATH, 10, 3, 3),
         "readinessProbe": http_probe(names.READY_PATH, 5, 3, 2),
-        "lifecycle": {"preStop": {"exec": {"command": drain_command(ROUTER_DRAIN_S)}}},
+        "lifecycle": {"preStop": {"exec": {"command": drain_command(ROUTER_DRAIN_S, contract.ROUTER_ADMIN_PORT)}}},
         "securityContext": restricted_security_context(),
         # The root filesystem is read-only; Python and the HTTP server still want a /tmp.
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],

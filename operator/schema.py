@@ -256,12 +256,20 @@ ROLLOUT = obj({
     "maxUnavailable": int_or_string(0, "0 by default so a rollout never drops serving capacity."),
 }, default={})
 
+API_KEY_SECRET_REF = obj(
+    {"name": string(min_length=1, max_length=253), "key": string(min_length=1, max_length=253)},
+    required=("name", "key"),
+    desc="A Secret in this namespace holding the API key workers and router require (Bearer); the pods read "
+    "it as env TANDEM_API_KEY, and the router sends it to the workers. Unset: no key is required.",
+)
+
 SPEC_SCHEMA = obj(
     {
         "model": MODEL,
         "image": string(min_length=1, desc="Runtime image with the `tandem` console script."),
         "imagePullPolicy": string(enum=("Always", "IfNotPresent", "Never"), default="IfNotPresent"),
         "imagePullSecrets": {"type": "array", "items": obj({"name": string()}, required=("name",))},
+        "apiKeySecretRef": API_KEY_SECRET_REF,
         "engine": ENGINE,
         "prefill": role_schema("prefill", worker=True),
         "decode": role_schema("decode", worker=True),

@@ -14,6 +14,7 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.defaults import default_spec
+from tandem.operator.secret_refs import SecretKeyRef, parse_secret_ref
 from tandem.operator.spec_parts import (
     AutoscalingSpec,
     KvTransfer,
@@ -56,6 +57,7 @@ class ServiceSpec:
     rollout: Rollout
 
     role_rollouts: dict[str, Rollout]  # per worker role, spec.rollout with the role's overrides
+    api_key: SecretKeyRef | None = None  # spec.apiKeySecretRef: workers and router require this key
 
     def role(self, role: str) -> RoleSpec:
         return {names.PREFILL: self.prefill, names.DECODE: self.decode, names.ROUTER: self.router}[role]
@@ -99,6 +101,7 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     engine_args = parse_engine_args(spec["engine"], errors)
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
+    api_key = parse_secret_ref(spec.get("apiKeySecretRef"), "spec.apiKeySecretRef", errors)
     role_rollouts = {
         role: parse_rollout({**spec["rollout"], **(spec[role].get("rollout") or {})}, errors, f"spec.{role}.rollout")
         for role in names.WORKER_ROLES
@@ -123,4 +126,5 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
         slo=slo,
         rollout=rollout,
         role_rollouts=role_rollouts,
+        api_key=api_key,
     )

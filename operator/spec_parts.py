@@ -173,6 +173,8 @@ def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) ->
         service_type=str(raw.get("serviceType", "ClusterIP")),
         service_port=_int(raw.get("servicePort", 80), f"{where}.servicePort", errors, lo=1, hi=65535),
     )
+    if not all(isinstance(spec.template.get(k, {}), dict) for k in ("metadata", "spec")):
+        errors.append(f"{where}.template.metadata and {where}.template.spec must be mappings")
     if spec.min_replicas > spec.max_replicas:
         errors.append(f"{where}.minReplicas ({spec.min_replicas}) exceeds maxReplicas ({spec.max_replicas})")
     gpus = _gpu_limit(spec.resources)

@@ -1,7 +1,7 @@
 """One level-based pass over an InferenceService: the only code the kopf handlers call.
 
-  parse spec -> policy -> (timer: read metrics, autoscale) -> rollout step -> reconcile
-  -> server-side apply -> scale and retire old generations -> prune strays -> status
+  parse spec -> policy -> (timer: read metrics, autoscale) -> PD Secret (created once)
+  -> rollout step -> reconcile -> server-side apply -> scale and retire old generations -> prune strays -> status
 
 Errors: an invalid spec or a rejected manifest gives a Degraded status and
 kopf.PermanentError; conflicts, throttling and API outages give kopf.TemporaryError.
@@ -11,6 +11,7 @@ patch it before raising.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 import kopf
 
-from tandem.operator import deletion_cost, names, role_scaler
+from tandem.operator import deletion_cost, names, pd_secret, role_scaler
 from tandem.operator import generations as gens
 from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
 from tandem.operator.conditions import Condition, merge_conditions
@@ -47,6 +48,8 @@ RETRY_DELAY_S = 10
 # The timer skips re-applying an unchanged set of children for this long; create, update
 # and resume always apply, and a missing Deployment triggers an apply at once.
 RESYNC_S = 300.0
+# A metrics round (every pod's /metrics, or a handful of PromQL queries) gives up after this long.
+METRICS_ROUND_S = 12.0
 
 
 @dataclass(frozen=True)
@@ -188,12 +191,16 @@ async def _converge(api: KubeApi, svc: ServiceSpec, replicas: RoleReplicas, curr
 
 async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memory: ServiceMemory,
                    logger: Any) -> dict[str, Any]:
-    # Metrics only steer scaling; failing to read them must never block applying the spec.
+    # Metrics only steer scaling; failing to read them must never block applying the spec. Each
+    # fetch has its own cap and deadline (bounded_fetch.py); the round as a whole has this one.
     try:
-        return await read_metrics(api, http, svc, memory)
+        async with asyncio.timeout(METRICS_ROUND_S):
+            return await read_metrics(api, http, svc, memory)
     except (ApiError, httpx.HTTPError) as exc:
         logger.warning(f"metrics unavailable: {exc}")
-        return {}
+    except TimeoutError:
+        logger.warning(f"metrics unavailable: the round took over {METRICS_ROUND_S:g} s")
+    return {}
 
 
 async def sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memory: ServiceMemory,
@@ -232,6 +239,9 @@ async def _sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memor
                 status_in["autoscaler"] = auto_section
         replicas: RoleReplicas = desired_replicas(svc, status_in, external)
         current = generation_of(svc)
+        problem = await pd_secret.ensure(api, svc)  # before the pods that read it; never rewritten
+        if problem is not None:
+            return _failed(cr, "PDSecretInvalid", problem, kopf.PermanentError(problem))
         children = await _converge(api, svc, replicas, current, policy, memory, logger,
                                    timer=autoscale, prune_strays=prune_strays)
         observed, view = await _observe(api, svc, current)

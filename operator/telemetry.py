@@ -7,7 +7,7 @@ The kopf handlers wrap their sync() call in `observe(...)`; that is all the inst
   tandem_operator_reconcile_total{handler,result}    result: ok | error | invalid
   tandem_operator_reconcile_duration_seconds{handler}
   tandem_operator_errors_total{kind}                 kind: invalid_spec | forbidden | apply_failed |
-                                                           temporary | unexpected
+                                                           pd_secret_invalid | temporary | unexpected
   tandem_operator_services                           InferenceServices this replica has seen and not seen deleted
 """
 
@@ -28,7 +28,8 @@ BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Degraded reasons sync() writes for a spec it cannot act on (malformed, or refused by the
 # operator's policy): the author's to fix, so result="invalid"; anything else permanent is an error.
 INVALID_REASONS = frozenset({"InvalidSpec", "Forbidden"})
-ERROR_KINDS = {"InvalidSpec": "invalid_spec", "Forbidden": "forbidden", "ApplyFailed": "apply_failed"}
+ERROR_KINDS = {"InvalidSpec": "invalid_spec", "Forbidden": "forbidden", "ApplyFailed": "apply_failed",
+               "PDSecretInvalid": "pd_secret_invalid"}
 
 
 def _degraded_reason(status: Mapping[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ from tandem.operator.pods import (
     restricted_security_context,
     with_requests,
 )
+from tandem.operator.secret_refs import worker_secret_env
 from tandem.operator.spec import ServiceSpec
 from tandem.operator.spec_parts import GPU, RoleSpec
 
@@ -55,7 +56,8 @@ def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
     # Python's own temp files all go under the /tmp emptyDir.
     writable = [{"name": "HOME", "value": "/tmp"}, {"name": "TANDEM_HOME", "value": "/tmp/tandem"},
                 {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}]
-    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable
+    secrets = worker_secret_env(svc.name, svc.api_key)  # from Secrets, never on argv (secret_refs.py)
+    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable + secrets
 
 
 def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:

@@ -26,11 +26,13 @@ from typing import Any
 
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.transfer.control import PeerDown, PeerMsg
-from tandem.engine.transfer.setup import TransferParts
+from tandem.engine.transfer.setup import TransferParts, refused
 from tandem.protocol import pd
 from tandem.protocol.messages import GenerateReq
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY = 4096  # decode messages waiting for their request: oldest dropped beyond this
 
 
 @dataclass(eq=False)
@@ -111,11 +113,11 @@ class PrefillSender:
         handler(m.peer, m.msg)
 
     def on_hello(self, peer: str, hello: pd.Hello) -> None:
-        agent, error = self.parts.add_peer(hello)
+        agent, problems = self.parts.add_peer(hello)
         if agent is None:
             self.stats["handshake_failures"] += 1
-            log.error("decode %s: %s", peer, error)
-            self.channel.send(peer, pd.Welcome(self.parts.name, False, error))
+            log.error("decode %s: %s", peer, refused(problems, detail=True))
+            self.channel.send(peer, pd.Welcome(self.parts.name, False, refused(problems, detail=False)))
             return
         self.peers[peer] = agent
         self.stats["handshakes"] += 1
@@ -129,14 +131,16 @@ class PrefillSender:
             return
         og = self.rooms.get(dest.room)
         if og is None:
-            self.early[dest.room] = ((peer, dest), time.monotonic())
+            self._keep_early(dest.room, (peer, dest))
         elif og.dest is None and og.ended is None:
             self._take_dest(og, peer, dest)
 
     def on_cancel(self, peer: str, msg: pd.KVCancel) -> None:
         og = self.rooms.get(msg.room)
+        if peer not in self.peers or (og is not None and og.peer not in ("", peer)):
+            return  # only a decode with a handshake cancels, and only its own rooms
         if og is None:  # not here yet, or settled already: either way nothing will be written
-            self.early[msg.room] = (msg, time.monotonic())
+            self._keep_early(msg.room, msg)
             self.channel.send(peer, pd.KVCancelled(msg.room))
             return
         og.cancel_ack = og.peer == peer or not og.peer
@@ -152,6 +156,11 @@ class PrefillSender:
         if agent is not None:
             self.transfer.remove_peer(agent)  # its unfinished sends come back failed from poll
         self.poll()
+
+    def _keep_early(self, room: int, msg: Any) -> None:
+        if len(self.early) >= MAX_EARLY:  # bounded: a decode sending for rooms that never come
+            del self.early[next(iter(self.early))]
+        self.early[room] = (msg, time.monotonic())
 
     # ---- sending -------------------------------------------------------------------------------------
     def on_batch_done(self, batch: Any) -> None:
@@ -200,6 +209,7 @@ class PrefillSender:
             og.ended = "sent"
 
     def poll(self) -> None:
+        self.channel.check()  # a dead control thread stops the scheduler: liveness fails
         events = self.transfer.poll()
         for done in events.sent:
             og = self.rooms.get(int(done.room))
@@ -214,13 +224,16 @@ class PrefillSender:
         for og in list(self.rooms.values()):
             if og.dest is None and og.ended is None and now - og.since > self.cfg.pd_bootstrap_timeout:
                 self.stats["bootstrap_timeouts"] += 1
-                self._end(og, f"no decode claimed this request within {self.cfg.pd_bootstrap_timeout:.0f} s")
+                # 408, not 503: this prefill is sound, the request's other half never came (a decode
+                # that died first answers its own client; a client posting here alone gets a 4xx).
+                self._end(og, f"no decode claimed this request within {self.cfg.pd_bootstrap_timeout:.0f} s",
+                          status=408)
         for room, (_, t) in list(self.early.items()):
             if now - t > 2 * self.cfg.pd_bootstrap_timeout:
                 del self.early[room]
 
     # ---- the end of a room ---------------------------------------------------------------------------
-    def _end(self, og: Outgoing, why: str, ack: bool = True, override: bool = False) -> None:
+    def _end(self, og: Outgoing, why: str, ack: bool = True, override: bool = False, status: int = 503) -> None:
         """No more sends for this room: stop the request where it is, then settle. `ack` False:
         decode asked for it (its client aborted, or it prefills the request itself): not an
         error of this request, so its HTTP answer is a 200 with finish_reason abort."""
@@ -229,7 +242,7 @@ class PrefillSender:
             return
         og.ended = why
         req = og.req
-        reason = finish_abort(why, 503 if ack else 200)
+        reason = finish_abort(why, status if ack else 200)
         if not req.finished():
             if self.sched.prefill.abort_waiting(req.rid) is not None or req.req_pool_idx is None:
                 req.finished_reason = reason
@@ -274,7 +287,8 @@ class PrefillSender:
 
     def status(self) -> dict[str, Any]:
         return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
-                "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, **self.stats}
+                "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, "control_alive": self.channel.alive(),
+                "control_dropped": self.channel.dropped.count, **self.stats}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"

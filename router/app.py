@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from tandem.router import routes
 from tandem.router.admission import Admission
 from tandem.router.capacity import CapacityWait
+from tandem.router.client_limit import ClientLimit
 from tandem.router.config import RouterConfig
 from tandem.router.discovery import PodDiscovery
 from tandem.router.fast_path import FastPath
@@ -26,6 +27,7 @@ from tandem.router.policies import Policy
 from tandem.router.proxy import Proxy, ProxyConfig
 from tandem.router.tokenizer import ByteTokenizer, RouterTokenizer, load_tokenizer
 from tandem.router.upstream import Upstream
+from tandem.router.worker_urls import UrlAllow
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Breaker, Worker, WorkerSet
 from tandem.server import errors
 from tandem.server.security import Guard
@@ -43,6 +45,8 @@ class RouterState:
     health: HealthChecker
     metrics: RouterMetrics
     model_name: str | None
+    clients: ClientLimit
+    url_allow: UrlAllow  # what POST /workers may add
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -71,13 +75,14 @@ async def _model_name(cfg: RouterConfig, ws: WorkerSet, client: httpx.AsyncClien
 
 
 def build_app(cfg: RouterConfig) -> Any:
-    """The ASGI app uvicorn serves: the guard (key, body size), then the proxied routes' fast
+    """The ASGI app uvicorn serves: the guard (keys, body size), then the proxied routes' fast
     path, then FastAPI for everything else. The fast path sits outside FastAPI so that a
     proxied request skips FastAPI's whole middleware stack, not only its routing."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        session = Upstream(connect_timeout=5.0, read_timeout=cfg.request_timeout)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0)) as client:
+        session = Upstream(connect_timeout=5.0, read_timeout=cfg.request_timeout, api_key=cfg.worker_api_key)
+        auth = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0), headers=auth) as client:
             ws = _workers(cfg)
             metrics = RouterMetrics()
             policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
@@ -92,7 +97,8 @@ def build_app(cfg: RouterConfig) -> Any:
             state = RouterState(cfg, load_tokenizer(cfg.tokenizer), ws, proxy,
                                 Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout, cfg.rate_limit,
                                           cfg.burst),
-                                health, metrics, await _model_name(cfg, ws, client))
+                                health, metrics, await _model_name(cfg, ws, client),
+                                ClientLimit(cfg.max_requests_per_client), cfg.url_allow)
             app.state.router = state
             tasks = [asyncio.create_task(health.run())]
             if cfg.selectors:
@@ -110,5 +116,6 @@ def build_app(cfg: RouterConfig) -> Any:
     app = FastAPI(title="tandem router", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     app.include_router(routes.router)
-    return Guard(FastPath(app, owner=app), api_key=cfg.api_key, max_bytes=cfg.max_request_bytes)
+    return Guard(FastPath(app, owner=app), api_key=cfg.api_key, max_bytes=cfg.max_request_bytes,
+                 admin_key=cfg.admin_key, admin_port=cfg.admin_port)
 

@@ -1,4 +1,9 @@
-"""`tandem router`: the front door (torch-free)."""
+"""`tandem router`: the front door (torch-free).
+
+Keys: --api-key ($TANDEM_API_KEY) is what clients send; --admin-key ($TANDEM_ADMIN_KEY) opens
+the admin routes on the main port (never the API key); --worker-api-key ($TANDEM_WORKER_API_KEY)
+is what the router sends to workers. The admin listener is 127.0.0.1:--admin-port.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import sys
 from tandem.router.config import RouterConfig
 from tandem.router.discovery import role_selectors
 from tandem.router.policies import POLICIES
+from tandem.server.coalesced_http import DEFAULT_STALL_TIMEOUT
+from tandem.worker_contract import ENV_ADMIN_KEY, ENV_API_KEY, ENV_WORKER_API_KEY, ROUTER_ADMIN_PORT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +48,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "0: answer 503 at once")
     p.add_argument("--max-capacity-waiters", type=int, default=1024,
                    help="requests held waiting for capacity at once; past it, 503 at once")
-    p.add_argument("--api-key", default=None, help="require this bearer key (or set $TANDEM_API_KEY)")
+    p.add_argument("--api-key", default=None, help=f"require this bearer key of clients (or set ${ENV_API_KEY})")
+    p.add_argument("--admin-key", default=None,
+                   help=f"the key for the admin routes on --port (or set ${ENV_ADMIN_KEY}); without it they are "
+                        "served on the admin listener only")
+    p.add_argument("--admin-port", type=int, default=ROUTER_ADMIN_PORT,
+                   help="the admin listener (drain, POST/DELETE /workers) on 127.0.0.1; 0: none")
+    p.add_argument("--worker-api-key", default=None,
+                   help=f"the workers' --api-key, sent to them as a bearer key (or set ${ENV_WORKER_API_KEY})")
+    p.add_argument("--worker-url-allow", nargs="*", default=[],
+                   help="hosts, addresses and networks (CIDR) whose URLs POST /workers may add; by default only "
+                        "the command line's workers, the ones discovered, and loopback when --host is loopback")
+    p.add_argument("--stream-send-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
+                   help="seconds a client may read nothing of its answer before it is cut off (0: never)")
+    p.add_argument("--max-requests-per-client", type=int, default=0,
+                   help="requests at once per client IP, queued ones included; past it 429 (0: no limit)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_run)
 
@@ -57,8 +78,27 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    try:
+        cfg = _config(args)
+    except ValueError as exc:  # a bad worker URL, allowlist entry or key: said plainly, no traceback
+        raise SystemExit(f"tandem router: {exc}") from None
+    import uvicorn
+
+    from tandem.router.app import build_app
+    from tandem.server import admin_listener
+    from tandem.server.coalesced_http import http_protocol
+
+    app = build_app(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                                           timeout_graceful_shutdown=10, proxy_headers=False, access_log=False,
+                                           http=http_protocol(stall_timeout=cfg.stream_send_timeout)))
+    admin_listener.run(server, app, cfg.admin_port)
+    return 0 if server.started else 1
+
+
+def _config(args: argparse.Namespace) -> RouterConfig:
     kw = {k: getattr(args, k) for k in ("policy", "prefill_policy", "decode_policy") if getattr(args, k)}
-    cfg = RouterConfig(
+    return RouterConfig(
         tokenizer=args.tokenizer, model_name=args.model_name, host=args.host, port=args.port,
         workers=tuple(args.workers), prefill=tuple(_prefill(s) for s in args.prefill), decode=tuple(args.decode),
         namespace=args.namespace,
@@ -66,13 +106,11 @@ def _run(args: argparse.Namespace) -> int:
         local_prefill_threshold=args.local_prefill_threshold, max_retries=args.max_retries,
         max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         rate_limit=args.rate_limit, capacity_wait=args.capacity_wait, max_capacity_waiters=args.max_capacity_waiters,
-        health_interval=args.health_interval, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-        **kw)
-    import uvicorn
+        health_interval=args.health_interval, api_key=_env(args.api_key, ENV_API_KEY),
+        admin_key=_env(args.admin_key, ENV_ADMIN_KEY), admin_port=args.admin_port,
+        worker_api_key=_env(args.worker_api_key, ENV_WORKER_API_KEY), worker_url_allow=tuple(args.worker_url_allow),
+        stream_send_timeout=args.stream_send_timeout, max_requests_per_client=args.max_requests_per_client, **kw)
 
-    from tandem.router.app import build_app
-    from tandem.server.coalesced_http import http_protocol
 
-    uvicorn.run(build_app(cfg), host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10,
-                proxy_headers=False, access_log=False, http=http_protocol())
-    return 0
+def _env(flag: str | None, name: str) -> str | None:
+    return flag or os.environ.get(name) or None

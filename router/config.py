@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.router.policies import POLICIES
+from tandem.router.worker_urls import UrlAllow, parse_worker_url
 from tandem.router.workers import PREFILL
+from tandem.server.coalesced_http import DEFAULT_STALL_TIMEOUT
+from tandem.worker_contract import ROUTER_ADMIN_PORT
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,13 @@ class RouterConfig:
     breaker_threshold: int = 5
     breaker_cooldown: float = 10.0
     request_timeout: float = 600.0
-    api_key: str | None = None
+    api_key: str | None = None  # what clients must send
+    admin_key: str | None = None  # the admin routes on the main listener (never the API key)
+    admin_port: int = ROUTER_ADMIN_PORT  # the admin listener on 127.0.0.1; 0: none
+    worker_api_key: str | None = None  # what the router sends to workers (their --api-key)
+    worker_url_allow: tuple[str, ...] = ()  # hosts and networks POST /workers may add (router/worker_urls.py)
+    stream_send_timeout: float = DEFAULT_STALL_TIMEOUT  # a client reading nothing this long is cut off; 0: never
+    max_requests_per_client: int = 0  # per peer IP, queued included; 0: no limit
     max_request_bytes: int = 8 * 2**20
     # Scale from zero (router/capacity.py): how long a request waits for a worker of a role
     # with none eligible (0: answer 503 at once), and how many requests may wait at once.
@@ -50,6 +59,26 @@ class RouterConfig:
                 raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         if self.capacity_wait < 0 or self.max_capacity_waiters < 0:
             raise ValueError("capacity_wait and max_capacity_waiters must be >= 0")
+        if self.stream_send_timeout < 0 or self.max_requests_per_client < 0:
+            raise ValueError("stream_send_timeout and max_requests_per_client must be >= 0")
+        if self.admin_key and self.admin_key == self.api_key:
+            raise ValueError("--admin-key must differ from --api-key: the API key must not reach the admin routes")
+        if self.admin_port and self.admin_port == self.port:
+            raise ValueError(f"--admin-port {self.admin_port} is the HTTP port")
+        key = self.worker_api_key
+        if key is not None and not (key.isascii() and key.isprintable()):
+            raise ValueError("--worker-api-key must be printable ASCII (it goes into an HTTP header)")
+        for url in self.static_urls:
+            parse_worker_url(url)  # ValueError: a worker URL is http://HOST:PORT
+        UrlAllow.build(self.worker_url_allow, self.static_urls, self.host)  # ValueError: an entry is no host/network
+
+    @property
+    def static_urls(self) -> tuple[str, ...]:
+        return (*self.workers, *(url for url, _ in self.prefill), *self.decode)
+
+    @property
+    def url_allow(self) -> UrlAllow:
+        return UrlAllow.build(self.worker_url_allow, self.static_urls, self.host)
 
     @property
     def pd(self) -> bool:

@@ -4,14 +4,17 @@ Every request through the router pays for its per-request machinery (dependency 
 body re-reads, exception middleware, a task per disconnect watch); on the proxied routes
 that was about half of the router's CPU per request, and on a small machine CPU is
 latency. Here a POST to /v1/completions, /v1/chat/completions or /generate is read once,
-parsed once, validated with the same pydantic models, turned into a Job by the same
-builders (routes.py) and answered with the same error JSON; everything else (health,
-metrics, models, admin) falls through to FastAPI.
+parsed once (tandem/server/json_body.py: anything a worker could choke on is a 400 here),
+stripped of the fields only the router sets (routes.ROUTER_FIELDS), validated with the same
+pydantic models, turned into a Job by the same builders (routes.py) and answered with the
+same error JSON; everything else (health, metrics, models, admin) falls through to FastAPI.
+
+The client's bytes go to the worker as they came only when the body the worker gets is the
+one they encode: no field stripped, nothing replaced by a builder.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -22,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.router import routes
 from tandem.server.errors import ApiError, error_response, validation_message
+from tandem.server.json_body import parse_json
 
 log = logging.getLogger("tandem.router")
 
@@ -43,13 +47,11 @@ class FastPath:
         state = self.owner.state.router
         try:
             data = await request.body()
-            try:
-                raw = json.loads(data)
-            except (ValueError, UnicodeDecodeError) as exc:
-                return error_response(400, f"the body is not valid JSON: {exc}", "invalid_request")
+            raw = parse_json(data)
+            stripped = routes.strip_router_fields(raw)
             body = model.model_validate(raw)
             job = await build(state, body, raw)
-            if job.body is raw:
+            if job.body is raw and not stripped:
                 job.raw = data  # forwarded as it came: no second encoding
             return await routes.run(request, state, job)
         except ValidationError as exc:

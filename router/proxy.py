@@ -1,9 +1,15 @@
-"""Dispatch, retries and relay: a request's path through the router.
+"""Dispatch and retries: a request's path through the router.
 
-    choose a worker (colocated) or a pair (PD) -> send -> status known?
-        connect error, 5xx, 408, 429 -> back off (exponential, jittered), another worker/pair
-        anything else               -> relay to the client; from the first byte on, no retry
-    a worker dying mid-stream -> the client gets an SSE error event and [DONE]
+    choose a worker (colocated) or a pair (PD) -> send -> what came back?
+        connect error, connection lost before any byte,  -> back off (exponential, jittered),
+        503 (draining or dead), 429 (busy)                  another worker/pair
+        no status within the request timeout (600 s)     -> 504, not re-sent (it may still be working)
+        any other status (a 500 included)                -> to the client as the worker sent it
+    from the first byte of an answer on, no retry: a worker dying mid-answer is a 502, one
+    dying mid-stream an SSE error event and [DONE] (router/relay.py)
+
+A 500 is not retried: it is what this request did to a worker, and a request that crashes a
+worker would crash the next one too. It still counts against the worker's breaker.
 
 PD mode: the same body, plus bootstrap_host/port/room, goes to a prefill (non-streaming,
 its answer read and dropped) and to a decode (streamed to the client). When the decode
@@ -26,7 +32,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +42,11 @@ from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import TOKEN_POLICIES, Policy
 from tandem.router.prefix_index import block_names
+from tandem.router.relay import relay
 from tandem.router.reported import error_message, output_tokens, prompt_tokens
-from tandem.router.upstream import Upstream, UpstreamError, UpstreamResponse
+from tandem.router.upstream import Upstream, UpstreamError
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
-from tandem.server.errors import ApiError, error_body
+from tandem.server.errors import ApiError
 
 
 @dataclass
@@ -67,6 +74,9 @@ class Route:
     body: dict[str, Any]
     prefill: Worker | None = None
     held: list[Worker] = field(default_factory=list)
+
+
+RETRIED = (429, 503)  # statuses that say "not here, not now", never "not this request"
 
 
 @dataclass(frozen=True)
@@ -114,8 +124,7 @@ class Proxy:
             if isinstance(result, Response):
                 return result
             last = result
-        status, message = last
-        raise ApiError(503 if status >= 500 or status == 408 else status, message)
+        raise ApiError(*last)
 
     # ---- choice ---------------------------------------------------------------------------------
     def _candidates(self, role: str, tried: set[str]) -> list[Worker]:
@@ -215,33 +224,38 @@ class Proxy:
                 r.close()  # cancelled (the decode side ended first, or the client left): the worker aborts
 
     async def _attempt(self, job: Job, route: Route) -> Response | tuple[int, str]:
+        """The answer, or (status, message) of a failure another worker may not have."""
         release = self._hold(route, job)
         prefill = asyncio.create_task(self._prefill(route, job)) if route.prefill is not None else None
         t0 = time.monotonic()
         streaming = False
+        w = route.main
         try:
             try:
-                resp = await self.client.post(route.main.url + job.path, job.payload(route.body))
-            except (UpstreamError, TimeoutError) as exc:
-                route.main.breaker.on_fault()
-                return 503, f"worker {route.main.url} unreachable: {type(exc).__name__}"
-            if resp.status >= 500 or resp.status in (408, 429):
+                resp = await self.client.post(w.url + job.path, job.payload(route.body))
+            except UpstreamError as exc:  # not connected, or lost before a byte of an answer
+                w.breaker.on_fault()
+                return 503, f"worker {w.url} unreachable: {exc}"
+            except TimeoutError:  # it may still be working on it: sent again, it would be done twice
+                w.breaker.on_fault()
+                raise ApiError(504, f"worker {w.url} did not answer within {self.client.read_timeout:.0f} s") from None
+            if resp.status in RETRIED:
                 try:
                     text = (await resp.read()).decode(errors="replace")
                 except (UpstreamError, TimeoutError):
                     text = ""
                 resp.close()
                 if resp.status != 429:  # 429: busy, not broken
-                    route.main.breaker.on_fault()
+                    w.breaker.on_fault()
                 return resp.status, error_message(text, resp.status)
-            route.main.breaker.on_success()
+            (w.breaker.on_fault if resp.status >= 500 else w.breaker.on_success)()
             media = resp.headers.get("content-type", "application/json")
             if not job.stream or not media.startswith("text/event-stream"):
                 try:
                     content = await resp.read()
-                except (UpstreamError, TimeoutError) as exc:  # died before answering: nothing sent yet
-                    route.main.breaker.on_fault()
-                    return 503, f"worker {route.main.url} failed mid-answer: {type(exc).__name__}"
+                except (UpstreamError, TimeoutError) as exc:  # a status came: no retry from here on
+                    w.breaker.on_fault()
+                    raise ApiError(502, f"worker {w.url} failed mid-answer: {type(exc).__name__}") from None
                 finally:
                     resp.close()
                 self.metrics.latency.observe(time.monotonic() - t0)
@@ -250,41 +264,17 @@ class Proxy:
                     self.metrics.prompt_tokens.inc(prompt_tokens(content, 0))
                 return Response(content, status_code=resp.status, media_type=media)
             streaming = True
-            return StreamingResponse(self._relay(job, resp, route, release, prefill, t0), status_code=resp.status,
-                                     media_type=media)
+
+            def finish() -> None:
+                release()
+                job.done()
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()
+
+            return StreamingResponse(relay(self.metrics, resp, w, t0, not job.ids, finish),
+                                     status_code=resp.status, media_type=media)
         finally:
             if not streaming:  # the relay releases a stream when it ends
                 release()
                 if prefill is not None and not prefill.done():
                     prefill.cancel()
-
-    async def _relay(self, job: Job, resp: UpstreamResponse, route: Route, release: Callable[[], None],
-                     prefill: asyncio.Task | None, t0: float) -> AsyncIterator[bytes]:
-        last, events, usage, prompt = None, 0, None, None
-        try:
-            async for chunk in resp.iter_any():
-                now = time.monotonic()
-                (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
-                last = now
-                events += chunk.count(b"data: {")
-                if b"completion_tokens" in chunk:  # the usage chunk, last before [DONE]
-                    usage = output_tokens(chunk, usage, last=True)
-                if not job.ids and prompt is None:  # not tokenized here: the worker's count
-                    prompt = prompt_tokens(chunk, None, last=True)
-                yield chunk
-        except (UpstreamError, TimeoutError) as exc:  # the worker died mid-stream: too late to retry
-            route.main.breaker.on_fault()
-            err = error_body(503, f"worker {route.main.url} failed mid-stream ({type(exc).__name__}); "
-                                  "the answer is incomplete", code="worker_failed")
-            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            self.metrics.latency.observe(time.monotonic() - t0)
-            self.metrics.generation_tokens.inc(usage if usage is not None else events)
-            if prompt is not None:
-                self.metrics.prompt_tokens.inc(prompt)
-            resp.close()  # a stream cut short (client gone) closes the connection: the worker aborts
-            release()
-            job.done()
-            if prefill is not None and not prefill.done():
-                prefill.cancel()
-

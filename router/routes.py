@@ -1,5 +1,9 @@
 """The router's HTTP surface: OpenAI routes and /generate (validated with the workers' own
-request models, tokenized once here), health, metrics, and the admin API for workers."""
+request models, tokenized once here), health, metrics, and the admin API for workers.
+
+A proxied body loses ROUTER_FIELDS before anything else: PD's bootstrap_host/port/room are the
+router's to set (they tell a decode worker which prefill worker to pull KV from), and a client
+that picks its own `rid` could collide with, or abort, someone else's request on a worker."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from tandem.router.proxy import Job
+from tandem.router.worker_urls import parse_worker_url
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
 from tandem.server.disconnect import cancel_on_disconnect
 from tandem.server.errors import ApiError, bad_request, error_response
@@ -20,6 +25,17 @@ from tandem.worker_contract import DRAIN_PATH
 
 router = APIRouter()
 DEFAULT_BUDGET = 256  # load estimate for a request without max_tokens
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
+
+
+def strip_router_fields(raw: object) -> bool:
+    """Remove ROUTER_FIELDS from a body's top level; whether there were any."""
+    if not isinstance(raw, dict):
+        return False
+    found = [k for k in ROUTER_FIELDS if k in raw]
+    for k in found:
+        del raw[k]
+    return bool(found)
 
 
 def _state(request: Request) -> Any:
@@ -34,8 +50,19 @@ def _check_model(state: Any, model: str) -> None:
 
 async def run(request: Request, state: Any, job: Job) -> Response:
     state.metrics.prompt_tokens.inc(len(job.ids))
-    await state.admission.acquire()
-    job.done = _once(state.admission.release)  # a stream holds its slot until its last byte
+    peer = request.client.host if request.client else ""
+    state.clients.acquire(peer)
+    try:
+        await state.admission.acquire()
+    except BaseException:
+        state.clients.release(peer)
+        raise
+
+    def release() -> None:
+        state.admission.release()
+        state.clients.release(peer)
+
+    job.done = _once(release)  # a stream holds its slots until its last byte
     streaming = False
     try:
         if not job.stream:
@@ -86,7 +113,7 @@ async def completion_job(state: Any, body: CompletionRequest, raw: dict) -> Job:
     prompts = body.prompts()
     ids = [p if isinstance(p, list) else await _tokens(state, state.tokenizer.encode, p) for p in prompts]
     if not body.echo and state.tokenizer.real:  # workers get ids (echo needs the text as written)
-        raw["prompt"] = ids[0] if len(ids) == 1 else ids
+        raw = {**raw, "prompt": ids[0] if len(ids) == 1 else ids}  # a new dict: not the client's bytes
     budget = body.max_tokens if body.max_tokens is not None else DEFAULT_BUDGET
     return Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
 
@@ -169,10 +196,11 @@ async def drain(request: Request) -> dict[str, Any]:
 
 
 # ---- admin: workers at run time -----------------------------------------------------------------
-# POST /drain and POST/DELETE /workers answer only loopback or the API key: the Guard's
-# ADMIN_ROUTES (tandem/server/security.py) refuses everyone else with 403.
+# POST /drain and POST/DELETE /workers answer only the admin listener or the admin key: the
+# Guard's ADMIN_ROUTES (tandem/server/security.py) refuses everyone else with 403. A URL must
+# also be a plain http://HOST:PORT the allowlist admits (router/worker_urls.py).
 class WorkerBody(BaseModel):
-    url: str = Field(pattern=r"^https?://")
+    url: str = Field(max_length=300)
     role: str = Field(default=COLOCATED, pattern=f"^({COLOCATED}|{PREFILL}|{DECODE})$")
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     generation: str = ""
@@ -193,7 +221,15 @@ async def add_worker(body: WorkerBody, request: Request) -> dict[str, Any]:
     if body.role == PREFILL and body.bootstrap_port is None:
         raise bad_request("a prefill worker needs its bootstrap_port", param="bootstrap_port")
     state = _state(request)
-    w = state.workers.add(Worker(body.url, body.role, body.bootstrap_port, body.generation))
+    try:
+        url = parse_worker_url(body.url)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="url") from None
+    if not state.url_allow.allows(url, state.workers.workers):
+        raise ApiError(403, f"{url} is not an allowed worker address: the router registers only the workers its "
+                            "command line or discovery configured, and hosts or networks in --worker-url-allow",
+                       code="worker_not_allowed", param="url")
+    w = state.workers.add(Worker(url, body.role, body.bootstrap_port, body.generation))
     await state.health.check(w)
     return _describe(w)
 

@@ -15,15 +15,21 @@ before a byte of the answer, which is retried once on a fresh connection (the wo
 have read a request on a connection it had already closed). Closing an answer before its end
 closes the connection: that is how a client's disconnect reaches the worker, which aborts the
 request and frees its pages.
+
+The request target is the URL's path exactly as written: a worker URL is http://HOST:PORT
+(router/worker_urls.py) plus the router's own path, and a URL with a `?`, `#`, `@`, space or
+control character is refused here too rather than parsed into a query or another host. With
+a worker key set (--worker-api-key), every request carries `Authorization: Bearer <key>`; the
+client's own headers never reach a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from collections import deque
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 import httptools
 
@@ -186,26 +192,33 @@ class UpstreamResponse:
         self._conn = None
 
 
+_URL = re.compile(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::(\d{1,5}))?(/[A-Za-z0-9._~!$&'()*+,;=:%/-]*)")
+
+
 @functools.lru_cache(maxsize=4096)
 def _target(url: str, content_type: str) -> tuple[tuple[str, int], bytes]:
     """(host, port) and the request's head up to its length, per URL: a worker's few routes are
-    parsed once, not on every request."""
-    parts = urlsplit(url)
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    start = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-    return (parts.hostname or "127.0.0.1", parts.port or 80), start.encode("latin-1")
+    parsed once, not on every request. The path is taken as written, never split into a query."""
+    m = _URL.fullmatch(url)
+    if m is None:
+        raise UpstreamError(f"not a worker URL plus a path: {url!r}")
+    host, port, path = m.group(1), int(m.group(2) or 80), m.group(3)
+    netloc = host + (f":{m.group(2)}" if m.group(2) else "")
+    start = f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Type: {content_type}\r\n"
+    return (host.strip("[]"), port), start.encode("latin-1")
 
 
 class Upstream:
-    def __init__(self, connect_timeout: float = 5.0, read_timeout: float = 600.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, read_timeout: float = 600.0, api_key: str | None = None) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self._auth = f"Authorization: Bearer {api_key}\r\n".encode("latin-1") if api_key else b""
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
 
     async def post(self, url: str, body: bytes, content_type: str = "application/json") -> UpstreamResponse:
         """Send; return once the answer's status and headers are in."""
         key, start = _target(url, content_type)
-        request = start + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        request = start + self._auth + b"Content-Length: %d\r\n\r\n" % len(body) + body
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -237,6 +250,8 @@ class Upstream:
                 _, conn = await loop.create_connection(lambda: _Connection(self, key), *key)
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc}") from None
+        except TimeoutError:  # nothing was sent: as retryable as a refused connection
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: no answer in {self.connect_timeout} s") from None
         self._open.add(conn)
         return conn
 

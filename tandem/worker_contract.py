@@ -6,12 +6,13 @@ never disagree on a flag, a port, a path or an env name. torch-free and kopf-fre
 operator's and the router's images import it.
 
     argv   tandem serve --role R --model DIR --served-model-name NAME --host H --port P
-                        [--bootstrap-port B] [--config engine.yaml] [engine flags, SGLang names]
-           tandem router --host H --port P [--model DIR] [--model-name NAME]
+                        [--bootstrap-port B] [--admin-port A] [--config engine.yaml] [engine flags]
+           tandem router --host H --port P [--admin-port A] [--model DIR] [--model-name NAME]
                          (--prefill-selector S --decode-selector S --namespace NS | --selector S ...
                           | --prefill URL=BOOTSTRAP... --decode URL... | --workers URL...)
     env    POD_NAME, POD_NAMESPACE, POD_IP (downward API); TANDEM_ROLE, TANDEM_KV_BACKEND,
-           TANDEM_KV_PORT_BASE, TANDEM_KV_PORT_COUNT; UCX_TLS, UCX_NET_DEVICES when set
+           TANDEM_KV_PORT_BASE, TANDEM_KV_PORT_COUNT; UCX_TLS, UCX_NET_DEVICES when set;
+           TANDEM_PD_SECRET (prefill and decode: from a Secret, pd_secret_env)
     yaml   the engine's options under their SGLang names, plus the contract's own keys
            tp_size and kv_transfer {backend, port_base, port_count}
 """
@@ -29,6 +30,10 @@ import yaml
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
 HTTP_PORT_NAME, BOOTSTRAP_PORT_NAME = "http", "bootstrap"
+# The admin listener (drain, flush, abort, the router's worker API) of a worker and of the router:
+# bound to 127.0.0.1 only, so no containerPort and no Service port; the preStop hook calls it.
+# Two defaults, so that a worker and a router started by hand on one host do not collide.
+ADMIN_PORT, ROUTER_ADMIN_PORT = 8001, 8002
 KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
 
 # ---- labels ----
@@ -57,6 +62,14 @@ ENV_KV_BACKEND = "TANDEM_KV_BACKEND"
 ENV_KV_PORT_BASE = "TANDEM_KV_PORT_BASE"
 ENV_KV_PORT_COUNT = "TANDEM_KV_PORT_COUNT"
 ENV_UCX_TLS, ENV_UCX_NET_DEVICES = "UCX_TLS", "UCX_NET_DEVICES"
+# The PD control channel's shared CURVE key (tandem/protocol/pd_secret.py): the same on every
+# prefill and decode pod of an InferenceService, from a Secret's PD_SECRET_KEY. Env only: a flag
+# would show in `ps`.
+ENV_PD_SECRET, PD_SECRET_KEY = "TANDEM_PD_SECRET", "pd-secret"
+# From a Secret (secretKeyRef), never on argv: the API key workers and router require, and the key
+# the router sends to the workers (the operator renders both from spec.apiKeySecretRef).
+ENV_API_KEY, ENV_WORKER_API_KEY = "TANDEM_API_KEY", "TANDEM_WORKER_API_KEY"
+ENV_ADMIN_KEY = "TANDEM_ADMIN_KEY"  # the admin routes on the main port (workers and router; never the API key)
 DOWNWARD_ENV = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_POD_IP: "status.podIP"}
 
 KV_BACKENDS = ("nixl", "none")
@@ -124,6 +137,7 @@ class WorkerArgs:
     bootstrap_port: int = BOOTSTRAP_PORT
     config: str | None = ENGINE_CONFIG_PATH
     extra: tuple[str, ...] = ()  # engine flags under SGLang's names, passed through
+    admin_port: int | None = None  # None: the server's default, ADMIN_PORT (`tandem up` gives each its own)
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -134,6 +148,8 @@ def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[
     argv = [*program, "serve", "--role", args.role, "--model", args.model,
             "--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
             "--bootstrap-port", str(args.bootstrap_port)]
+    if args.admin_port is not None:
+        argv += ["--admin-port", str(args.admin_port)]
     if args.config is not None:
         argv += ["--config", args.config]
     return [*argv, *args.extra]
@@ -156,6 +172,7 @@ class RouterArgs:
     prefill: tuple[tuple[str, int], ...] = ()
     decode: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
+    admin_port: int | None = None  # None: the router's default, ROUTER_ADMIN_PORT
 
     def __post_init__(self) -> None:
         if bool(self.prefill) != bool(self.decode):
@@ -164,6 +181,8 @@ class RouterArgs:
 
 def router_argv(args: RouterArgs, program: Sequence[str] = ("tandem",)) -> list[str]:
     argv = [*program, "router", "--host", args.host, "--port", str(args.port)]
+    if args.admin_port is not None:
+        argv += ["--admin-port", str(args.admin_port)]
     for flag, value in (("--model", args.tokenizer), ("--model-name", args.model_name),
                         ("--selector", args.selector), ("--prefill-selector", args.prefill_selector),
                         ("--decode-selector", args.decode_selector), ("--namespace", args.namespace)):
@@ -192,6 +211,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=HTTP_PORT)
     p.add_argument("--bootstrap-port", type=int, default=BOOTSTRAP_PORT)
+    p.add_argument("--admin-port", type=int, default=None,
+                   help=f"the admin listener's port on 127.0.0.1 (default {ADMIN_PORT}; 0: none)")
     p.add_argument("--config", default=None, help="engine YAML (the operator mounts it at " + ENGINE_CONFIG_PATH + ")")
 
 
@@ -202,7 +223,12 @@ def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
     ns, extra = p.parse_known_args(list(argv))
     return WorkerArgs(role=ns.role, model=ns.model, served_model_name=ns.served_model_name or ns.model,
                       host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port, config=ns.config,
-                      extra=tuple(extra))
+                      extra=tuple(extra), admin_port=ns.admin_port)
+
+
+def pd_secret_env(secret_name: str) -> dict[str, Any]:
+    """The env entry giving a prefill or decode container the PD secret from Secret `secret_name`."""
+    return {"name": ENV_PD_SECRET, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": PD_SECRET_KEY}}}
 
 
 def downward_env() -> list[dict[str, Any]]:

@@ -171,3 +171,40 @@ def test_between_two_processes(impl) -> None:
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+def test_nixl_errors_fail_the_peer_or_the_send_never_the_caller(monkeypatch) -> None:
+    """NIXL's own exceptions (nixlMismatchError, nixlBackendError, ...) come out as TransferError
+    (a refused peer or send) or a failed SendDone: the scheduler loop calling them goes on."""
+    from tandem.engine.transfer.base import SendDone, TransferError
+
+    pools = pool(), pool()  # held: their buffers stay registered
+    layout, other_layout = pools[0].layout(), pools[1].layout()
+    t, other = nixl_agent.NixlTransfer("errs-a"), nixl_agent.NixlTransfer("errs-b")
+    try:
+        meta_a, meta_b = t.register(layout), other.register(other_layout)
+        other.add_peer(meta_a, layout)
+        with pytest.raises(TransferError, match="nixlMismatchError"):
+            t.add_peer(b"junk" * 8, other_layout)  # garbage agent metadata from a peer
+        peer = t.add_peer(meta_b, other_layout)
+        boom = next(e for e in t.errors if e.__name__ == "nixlBackendError")
+
+        def fail(*args, **kw):
+            raise boom("NIXL_ERR_BACKEND")
+
+        with monkeypatch.context() as m:
+            m.setattr(t.agent, "initialize_xfer", fail)
+            with pytest.raises(TransferError, match="nixlBackendError"):
+                t.send(peer, "r1", [1], [1], b"r1")
+        t.send(peer, "r2", [1], [1], b"r2")
+        with monkeypatch.context() as m:
+            for name in ("check_xfer_state", "get_new_notifs", "remove_remote_agent"):
+                m.setattr(t.agent, name, fail)
+            events = t.poll()
+            assert events.sent == [SendDone("r2", False, "transfer failed: nixlBackendError")]
+            assert events.received == []
+            t.remove_peer(peer)  # logged, forgotten
+        assert peer not in t.peers and not t.pending
+    finally:
+        t.close()
+        other.close()

@@ -69,3 +69,14 @@ def test_workers_get_disjoint_cores(tmp_path):
     assert share_cores((0, 1), 3) == [(0,), (1,), (0,)]
     comps = plan(_cfg(tmp_path, cpus=(0, 1, 2, 3)))
     assert [c.cpus for c in comps] == [(0, 1), (2, 3), ()]  # the router floats
+
+
+def test_pd_workers_share_a_secret_made_for_the_run(tmp_path):
+    from tandem.protocol.pd_secret import check_pd_secret
+
+    comps, other_run = plan(_cfg(tmp_path, prefill=2, decode=2)), plan(_cfg(tmp_path))
+    secrets = {c.env.get(contract.ENV_PD_SECRET) for c in comps if c.name != ROUTER}
+    assert len(secrets) == 1 and check_pd_secret(secrets.pop())
+    assert other_run[0].env[contract.ENV_PD_SECRET] != comps[0].env[contract.ENV_PD_SECRET]
+    assert contract.ENV_PD_SECRET not in comps[-1].env  # the router takes no part in PD traffic
+    assert all(contract.ENV_PD_SECRET not in c.env for c in plan(_cfg(tmp_path, colocated=True, dp=2)))

@@ -204,6 +204,7 @@ def test_router_process_follows_pods_as_the_operator_starts_it(api: Api, tmp_pat
     procs = [spawn([str(REPO / "bench" / "fake_worker.py"), "--port", str(worker_port), "--ttft", "0", "--itl", "0",
                     "--tokens", "4"], log, tmp_path),
              spawn(["-m", "tandem.cli", "router", "--host", "127.0.0.1", "--port", str(router_port),
+                    "--admin-port", str(free_port()),
                     "--selector", "app=fake", "--namespace", NS, "--health-interval", "0.5"], log, tmp_path)]
     router = httpx.Client(base_url=f"http://127.0.0.1:{router_port}", timeout=10)
 

@@ -35,6 +35,7 @@ _spec = importlib.util.spec_from_file_location("fake_worker", Path(__file__).par
 fake_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_worker)
 
+ADMIN = {"Authorization": "Bearer admin-key"}  # the admin routes on the main listener (security.py)
 SHORT = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}  # 2 byte-tokens: decode alone in PD
 LONG = {"text": "a long prompt " * 20, "sampling_params": {"max_new_tokens": 4}}  # 280: needs a prefill
 
@@ -87,7 +88,7 @@ async def stack(n_workers: int = 0, **cfg: Any) -> AsyncIterator[tuple[str, list
         for key in ("workers", "decode"):
             if key in cfg:
                 cfg[key] = tuple(url(i) for i in cfg[key])
-        config = RouterConfig(model_name="tiny", health_interval=0.1, **cfg)
+        config = RouterConfig(model_name="tiny", health_interval=0.1, admin_key="admin-key", **cfg)
         yield await stack.enter_async_context(serving(build_app(config))), workers
 
 
@@ -138,7 +139,8 @@ def test_a_request_is_held_until_a_worker_joins(shape: str) -> None:
             await asyncio.sleep(0.3)
             assert not task.done() and await pending(c, router, role) == 1
             new, new_url = workers[0]
-            assert (await c.post(router + "/workers", json={"url": new_url, "role": role})).status_code == 200
+            added = await c.post(router + "/workers", json={"url": new_url, "role": role}, headers=ADMIN)
+            assert added.status_code == 200
             r = await task
             assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
             assert new.posts == 1 and workers[1][0].posts == (0 if shape == "colocated" else 1)
@@ -154,14 +156,15 @@ def test_pd_with_zero_prefill_holds_long_prompts_and_serves_short_ones() -> None
         async with stack(2, capacity_wait=20, prefill=((0, 1),), decode=(1,)) as (router, workers), \
                 httpx.AsyncClient(timeout=20) as c:
             (pre, pre_url), (dec, _) = workers
-            assert (await c.delete(router + "/workers", params={"url": pre_url})).status_code == 200  # scaled to 0
+            removed = await c.delete(router + "/workers", params={"url": pre_url}, headers=ADMIN)
+            assert removed.status_code == 200  # scaled to 0
             r = await c.post(router + "/generate", json=SHORT)  # decode prefills it itself, as before
             assert r.status_code == 200 and dec.posts == 1 and pre.posts == 0
             task = asyncio.create_task(c.post(router + "/generate", json=LONG))
             await held(c, router, PREFILL)  # still PD: the config says so, not the pods left
             assert await pending(c, router, DECODE) == 0 and dec.posts == 1
             body = {"url": pre_url, "role": PREFILL, "bootstrap_port": 1}
-            assert (await c.post(router + "/workers", json=body)).status_code == 200
+            assert (await c.post(router + "/workers", json=body, headers=ADMIN)).status_code == 200
             r = await task
             assert r.status_code == 200 and pre.posts == 1 and dec.posts == 2
             assert await pending(c, router, PREFILL) == 0
@@ -232,7 +235,8 @@ def test_a_client_leaving_while_held_frees_its_slot(stream: bool) -> None:
             again = asyncio.create_task(c.post(router + "/generate", json=SHORT))
             await held(c, router, "colocated")
             w, url = workers[0]
-            assert (await c.post(router + "/workers", json={"url": url, "role": "colocated"})).status_code == 200
+            added = await c.post(router + "/workers", json={"url": url, "role": "colocated"}, headers=ADMIN)
+            assert added.status_code == 200
             assert (await again).status_code == 200
             assert w.posts == 1  # ... and the one that left never reached a worker
 

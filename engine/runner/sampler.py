@@ -45,7 +45,8 @@ class SamplingBatch:
         cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
     ) -> SamplingBatch:
         greedy = [p.is_greedy for p in params]
-        top_n = max((p.top_logprobs_num for p in params), default=0)
+        # Clamped to the vocabulary: topk() past it raises, and the batch would fail with it.
+        top_n = min(max((p.top_logprobs_num for p in params), default=0), vocab_size)
         want_lp = any(p.return_logprob for p in params)
         if all(greedy):  # the common serving case: skip building per-row tensors
             return cls(None, None, None, None, None, None, True, False, top_n, want_lp)  # type: ignore[arg-type]
@@ -53,13 +54,14 @@ class SamplingBatch:
         return cls(
             temperatures=f([1.0 if g else p.temperature for p, g in zip(params, greedy)]).view(-1, 1),
             top_ps=f([p.top_p for p in params]).view(-1, 1),
-            top_ks=f([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64).view(-1, 1),
+            # top_k >= vocab keeps every token; clamped, any top_k the params accept fits int64.
+            top_ks=f([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], torch.int64).view(-1, 1),
             min_ps=f([p.min_p for p in params]).view(-1, 1),
             seeds=f([p.seed for p in params], torch.int64),
             greedy=f(greedy, torch.bool),
             all_greedy=all(greedy),
             need_sort=any(
-                not g and (p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0) for p, g in zip(params, greedy)
+                not g and (p.top_p < 1.0 or 0 < p.top_k < vocab_size or p.min_p > 0) for p, g in zip(params, greedy)
             ),
             top_logprobs_num=top_n,
             return_logprob=want_lp,

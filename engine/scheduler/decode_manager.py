@@ -20,6 +20,7 @@ import time
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.batch_faults import BatchFailed
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -112,5 +113,8 @@ class DecodeManager:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         if batch.is_empty():
             return None, retracted
-        batch.prepare_for_decode(self.cache)
+        try:
+            batch.prepare_for_decode(self.cache)
+        except BatchFailed as exc:  # the retracted would be lost, in no queue: they fail with the batch
+            raise BatchFailed(exc.reqs + retracted, exc.cause) from exc.cause
         return batch, retracted

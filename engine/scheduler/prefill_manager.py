@@ -38,6 +38,14 @@ class PrefillManager:
                 return r
         return None
 
+    def forget(self, reqs: list[Req]) -> None:
+        """Drop requests whose batch failed (batch_faults.py): a retracted one may be back in the
+        queue, a chunked one still holds the chunk slot."""
+        gone = set(reqs)
+        self.waiting_queue = [r for r in self.waiting_queue if r not in gone]
+        if self.chunked_req in gone:
+            self.chunked_req = None
+
     def expire_waiting(self, timeout: float | None) -> list[Req]:
         if timeout is None:
             return []

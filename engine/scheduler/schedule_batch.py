@@ -5,6 +5,9 @@
 `output_ids` holds, per request, the token the next decode step feeds in: a
 real id once results are processed, or a negative FutureMap index while the
 step that samples it is still in flight (overlap mode).
+
+The methods that build a batch's inputs from its requests are @traced: a failure in one
+names the batch's requests, which then fail alone (batch_faults.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from tandem.engine.kvcache.cache_manager import CacheManager
 from tandem.engine.runner.forward_batch import ForwardMode
+from tandem.engine.scheduler.batch_faults import traced
 from tandem.engine.scheduler.req import Req, ReqStatus
 from tandem.engine.scheduler.sampling_params import SamplingParams
 
@@ -53,6 +57,7 @@ class ScheduleBatch:
         return len(self.reqs)
 
     # ---- extend ----------------------------------------------------------------------------
+    @traced
     def prepare_for_extend(self, cache: CacheManager) -> None:
         self.mode = ForwardMode.EXTEND
         self.prefix_lens = [r.prefix_len for r in self.reqs]
@@ -66,6 +71,7 @@ class ScheduleBatch:
             r.is_retracted = False
             r.check_invariants()
 
+    @traced
     def mix_with_running(self, running: ScheduleBatch, cache: CacheManager) -> None:
         """Append the running decode batch to this extend batch: one MIXED forward."""
         running.prepare_for_decode(cache)
@@ -78,6 +84,7 @@ class ScheduleBatch:
         self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
 
     # ---- decode ----------------------------------------------------------------------------
+    @traced
     def prepare_for_decode(self, cache: CacheManager) -> None:
         self.mode = ForwardMode.DECODE
         assert self.output_ids is not None and len(self.output_ids) == len(self.reqs)
@@ -122,6 +129,7 @@ class ScheduleBatch:
         )
 
     # ---- hand-off ---------------------------------------------------------------------------
+    @traced
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         seq_after = [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
         return ModelWorkerBatch(

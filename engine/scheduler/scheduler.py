@@ -30,6 +30,7 @@ from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
 from tandem.engine.scheduler import admin
+from tandem.engine.scheduler.batch_faults import BatchFaults
 from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
@@ -82,6 +83,7 @@ class Scheduler:
         self.overlap: OverlapWorker | None = None
         if config.enable_overlap:
             self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests, runner.device))
+        self.faults = BatchFaults(self)
         self.last_batch: ScheduleBatch | None = None
         self.running = True
         self.idle_checked = False
@@ -123,7 +125,7 @@ class Scheduler:
             self.part.poll()
 
     def add_request(self, msg: GenerateReq) -> None:
-        req, error = build_req(msg, self.runner, self.config)
+        req, error = build_req(msg, self.runner, self.config, in_use=msg.rid in self.reqs)
         if error is not None:
             self.output.emit([error])
             return
@@ -229,14 +231,15 @@ class Scheduler:
         while self.running:
             self.process_input_requests(self.recv_requests(block=self.idle()))
             t0 = time.perf_counter()
-            batch = self.get_next_batch_to_run()
+            batch = self.faults.build(self.get_next_batch_to_run)
             t1 = time.perf_counter()
             if batch is not None:
-                result = self.run_batch(batch)
-                t2 = time.perf_counter()
-                self.process_batch_result(batch, result)
-                batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
-                self.metrics.on_overhead(batch, (t1 - t0) + (time.perf_counter() - t2))
+                with self.faults.contain(batch.reqs):
+                    result = self.run_batch(batch)
+                    t2 = time.perf_counter()
+                    self.process_batch_result(batch, result)
+                    batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+                    self.metrics.on_overhead(batch, (t1 - t0) + (time.perf_counter() - t2))
             else:
                 self.self_check_during_idle()
             self.last_batch = batch
@@ -247,15 +250,16 @@ class Scheduler:
 
         def pop_and_process() -> None:
             done_batch, fut = in_flight.popleft()
-            result = fut.result()
-            t = time.perf_counter()
-            self.process_batch_result(done_batch, result)
-            self.metrics.on_overhead(done_batch, time.perf_counter() - t)
+            with self.faults.contain(done_batch.reqs):
+                result = fut.result()  # the forward's exception, if it raised
+                t = time.perf_counter()
+                self.process_batch_result(done_batch, result)
+                self.metrics.on_overhead(done_batch, time.perf_counter() - t)
 
         while self.running:
             self.process_input_requests(self.recv_requests(block=self.idle() and not in_flight))
             t = time.perf_counter()
-            batch = self.get_next_batch_to_run()
+            batch = self.faults.build(self.get_next_batch_to_run)
             self.metrics.on_overhead(batch, time.perf_counter() - t)
             consecutive_prefill = (
                 batch is not None and batch.mode.is_extend()
@@ -263,14 +267,16 @@ class Scheduler:
             )
             # Snapshot the batch before processing N-1: that may finish (abort) one of its
             # requests, and the batch must still run as scheduled.
-            mwb = batch.get_model_worker_batch() if batch is not None else None
+            mwb = self.faults.build(batch.get_model_worker_batch) if batch is not None else None
+            batch = batch if mwb is not None else None
             if consecutive_prefill and in_flight:
                 pop_and_process()
             if batch is not None:
-                self.record_step(batch)
-                fut, future_ids = self.overlap.launch(mwb)
-                batch.output_ids = future_ids  # the next decode step feeds these in
-                in_flight.append((batch.snapshot(), fut))
+                with self.faults.contain(batch.reqs):
+                    self.record_step(batch)
+                    fut, future_ids = self.overlap.launch(mwb)
+                    batch.output_ids = future_ids  # the next decode step feeds these in
+                    in_flight.append((batch.snapshot(), fut))
             if in_flight and (len(in_flight) > 1 or batch is None):
                 pop_and_process()
             elif batch is None and not in_flight:

@@ -22,6 +22,10 @@ Side effects the callers rely on:
 - Transfers advance while `poll` is called, on both sides: a sender until its sends are
   reported, a receiver until the notifications it waits for arrive (decode's transfer
   queue polls every loop iteration while it has requests in it). No core spins otherwise.
+- Errors of the engine underneath (NIXL's nixlBackendError, ...) never escape as their own
+  types: `add_peer` and `send` raise TransferError (a ValueError: that peer or that send
+  fails), `poll` reports a failed send, `remove_peer` and `close` log. A bad peer or a bad
+  transfer fails its request, never the scheduler loop.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from dataclasses import dataclass, field
 
 from tandem.protocol.kv_layout import KVLayout
 from tandem.protocol.pd import MetaRegion
+
+
+class TransferError(ValueError):
+    """The transfer engine refused a peer or a send (its own error is the message)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ class KVTransfer(ABC):
     @abstractmethod
     def add_peer(self, metadata: bytes, layout: KVLayout, slots: MetaRegion | None = None) -> str:
         """Know a peer (its metadata and KV layout); return its name. Raises ValueError
-        when the layouts cannot exchange pages (KVLayout.mismatch)."""
+        when the layouts cannot exchange pages (KVLayout.mismatch), TransferError when the
+        engine refuses the metadata."""
 
     @abstractmethod
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],

@@ -45,11 +45,21 @@ class FirstTokenSlots:
         for i, (t, lp) in enumerate(top):
             row[3 + i], row[3 + MAX_TOP + i] = t, lp
 
-    def read(self, slot: int) -> tuple[int, float | None, list[tuple[int, float]]]:
+    def read(self, slot: int, vocab_size: int = 2**53) -> tuple[int, float | None, list[tuple[int, float]]]:
+        """The slot's (token, logprob or None, top). A peer wrote it: a ValueError says what is
+        not a token below `vocab_size`, a count up to MAX_TOP, or a finite logprob."""
         row = self.buf[slot].tolist()
-        n = int(row[2])
+        n = row[2]
+        if not (n.is_integer() and 0 <= n <= MAX_TOP):
+            raise ValueError(f"top count {n} outside 0..{MAX_TOP}")
+        ids, lps = row[3 : 3 + int(n)], row[3 + MAX_TOP : 3 + MAX_TOP + int(n)]
+        bad = [t for t in (row[0], *ids) if not (t.is_integer() and 0 <= t < vocab_size)]  # nan, inf: not integer
+        if bad:
+            raise ValueError(f"token {bad[0]} outside the vocabulary (0..{vocab_size - 1})")
+        if not all(math.isfinite(lp) for lp in lps) or not (math.isnan(row[1]) or math.isfinite(row[1])):
+            raise ValueError("a logprob that is not a finite number")
         logprob = None if math.isnan(row[1]) else row[1]
-        return int(row[0]), logprob, [(int(row[3 + i]), row[3 + MAX_TOP + i]) for i in range(n)]
+        return int(row[0]), logprob, [(int(t), lp) for t, lp in zip(ids, lps)]
 
     def check_integrity(self, in_use: int = 0) -> None:
         assert len(set(self.free)) == len(self.free), "a first-token slot is free twice"

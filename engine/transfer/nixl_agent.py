@@ -8,15 +8,18 @@ whichever is installed is used. A send is one NIXL WRITE transfer of all its pag
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.transfer.base import Events, KVTransfer, SendDone
+from tandem.engine.transfer.base import Events, KVTransfer, SendDone, TransferError
 from tandem.engine.transfer.pages import descriptors
 from tandem.protocol.kv_layout import KVLayout
 from tandem.protocol.pd import MetaRegion
+
+log = logging.getLogger(__name__)
 
 
 def nixl_api() -> Any:
@@ -27,6 +30,15 @@ def nixl_api() -> Any:
         except ImportError:
             continue
     raise ImportError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13 on CUDA 13)")
+
+
+def nixl_errors(api: Any) -> tuple[type[Exception], ...]:
+    """NIXL's own exception types (nixlBackendError, nixlInvalidParamError, ...), from the
+    bindings beside `api`, plus the RuntimeError its Python layer raises."""
+    bindings = importlib.import_module(api.__name__.rsplit(".", 1)[0] + "._bindings")
+    own = [v for k, v in vars(bindings).items() if k.startswith("nixl") and isinstance(v, type)
+           and issubclass(v, Exception)]
+    return (*own, RuntimeError)
 
 
 @dataclass
@@ -46,6 +58,7 @@ class NixlTransfer(KVTransfer):
         # ~30 GB/s. Without it, poll() (check_xfer_state, get_new_notifs) drives progress.
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self.agent = api.nixl_agent(name, config)
+        self.errors = nixl_errors(api)
         self.name = name
         self.timeout = timeout
         self.mem_type = mem_type  # "VRAM" when the pool is on a GPU
@@ -72,7 +85,10 @@ class NixlTransfer(KVTransfer):
         problems = self.layout.mismatch(layout)
         if problems:
             raise ValueError("KV layouts differ: " + "; ".join(problems))
-        peer = self.agent.add_remote_agent(metadata)
+        try:
+            peer = self.agent.add_remote_agent(metadata)
+        except self.errors as exc:
+            raise TransferError(f"NIXL refused the peer's agent metadata ({type(exc).__name__})") from None
         name = peer.decode() if isinstance(peer, bytes) else str(peer)
         self.peers[name] = (layout, slots)
         return name
@@ -93,12 +109,18 @@ class NixlTransfer(KVTransfer):
             n = self.slots.slot_bytes
             src.append((self.slots.addr + slot[0] * n, n))
             dst.append((peer_slots.addr + slot[1] * n, n))
-        local = self.agent.get_xfer_descs([(a, n, 0) for a, n in src], self.mem_type)
-        remote = self.agent.get_xfer_descs([(a, n, 0) for a, n in dst], self.mem_type)
-        handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)
-        state = self.agent.transfer(handle)
+        handle = None
+        try:
+            local = self.agent.get_xfer_descs([(a, n, 0) for a, n in src], self.mem_type)
+            remote = self.agent.get_xfer_descs([(a, n, 0) for a, n in dst], self.mem_type)
+            handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)
+            state = self.agent.transfer(handle)
+        except self.errors as exc:
+            if handle is not None:
+                self._release(handle)
+            raise TransferError(f"NIXL refused the transfer ({type(exc).__name__}: {exc})") from None
         if state == "ERR":
-            self.agent.release_xfer_handle(handle)
+            self._release(handle)
             self._failed.append(SendDone(room, False, "NIXL refused the transfer"))
             return
         self.pending.append(_Pending(room, peer, handle, time.monotonic()))
@@ -109,18 +131,27 @@ class NixlTransfer(KVTransfer):
         still: list[_Pending] = []
         now = time.monotonic()
         for p in self.pending:
-            state = self.agent.check_xfer_state(p.handle)
+            error = ""
+            try:
+                state = self.agent.check_xfer_state(p.handle)
+            except self.errors as exc:
+                state, error = "ERR", f": {type(exc).__name__}"
             if state == "DONE":
                 events.sent.append(SendDone(p.room, True))
             elif state == "ERR" or now - p.started > self.timeout:
-                error = "transfer failed" if state == "ERR" else f"no completion within {self.timeout:.0f} s"
+                error = "transfer failed" + error if state == "ERR" else f"no completion within {self.timeout:.0f} s"
                 events.sent.append(SendDone(p.room, False, error))
             else:
                 still.append(p)
                 continue
             self._release(p.handle)
         self.pending = still
-        for peer, msgs in self.agent.get_new_notifs().items():
+        try:
+            notes = self.agent.get_new_notifs()
+        except self.errors as exc:  # those pending come back next time, or time out
+            log.error("NIXL notifications not read: %r", exc)
+            notes = {}
+        for peer, msgs in notes.items():
             events.received += [(peer, m) for m in msgs]
         return events
 
@@ -136,7 +167,10 @@ class NixlTransfer(KVTransfer):
             self._failed.append(SendDone(p.room, False, f"peer {peer} removed"))
         self.pending = [p for p in self.pending if p.peer != peer]
         if self.peers.pop(peer, None) is not None:
-            self.agent.remove_remote_agent(peer)
+            try:
+                self.agent.remove_remote_agent(peer)
+            except self.errors as exc:  # forgotten here either way: nothing is sent to it again
+                log.warning("NIXL did not remove peer %s: %r", peer, exc)
 
     def close(self) -> None:
         for peer in list(self.peers):

@@ -12,12 +12,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.transfer.base import TransferError
 from tandem.engine.transfer.control import ControlChannel
 from tandem.engine.transfer.first_token import FirstTokenSlots
 from tandem.engine.transfer.identity import identity_of
 from tandem.protocol import pd
 from tandem.protocol.kv_layout import KVLayout
-from tandem.worker_contract import DEFAULT_KV_PORT_COUNT, ENV_KV_PORT_BASE, ENV_KV_PORT_COUNT
+from tandem.worker_contract import DEFAULT_KV_PORT_COUNT, ENV_KV_PORT_BASE, ENV_KV_PORT_COUNT, ENV_PD_SECRET
 
 
 def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
@@ -46,16 +47,32 @@ class TransferParts:
         return {"identity": dataclasses.asdict(self.identity), "layout": self.layout.to_dict(),
                 "agent": base64.b64encode(self.agent_meta).decode(), "meta": dataclasses.asdict(self.slots.region())}
 
-    def add_peer(self, msg: pd.Hello | pd.Welcome) -> tuple[str | None, str]:
-        """Take the other side's half: (its transfer agent's name, "") or (None, why not)."""
+    def add_peer(self, msg: pd.Hello | pd.Welcome) -> tuple[str | None, list[str]]:
+        """Take the other side's half (checked by pd.decode already): (its transfer agent's
+        name, []) or (None, the problems as "field: detail", for this side's log; refused()
+        says what the peer may be told)."""
         problems = self.identity.mismatch(pd.Identity(**msg.identity))
-        if not problems:
-            try:
-                return self.transfer.add_peer(base64.b64decode(msg.agent), KVLayout(**msg.layout),
-                                              pd.MetaRegion(**msg.meta)), ""
-            except ValueError as exc:
-                problems = [str(exc)]
-        return None, "PD handshake refused: " + "; ".join(problems)
+        if problems:
+            return None, problems
+        try:
+            agent = base64.b64decode(msg.agent, validate=True)
+        except ValueError:
+            return None, ["agent: not base64"]
+        try:
+            return self.transfer.add_peer(agent, KVLayout(**msg.layout), pd.MetaRegion(**msg.meta)), []
+        except TransferError as exc:  # the transfer engine refused the metadata
+            return None, [f"agent: {exc}"]
+        except ValueError as exc:  # KVLayout.mismatch
+            return None, [f"layout: {exc}"]
+
+
+def refused(problems: list[str], detail: bool) -> str:
+    """The handshake error: with detail for this side's log and its own requests; without, what
+    a refusal tells the peer: the fields that differ, never this side's values (addresses,
+    agent metadata)."""
+    if detail:
+        return "PD handshake refused: " + "; ".join(problems)
+    return "PD handshake refused: mismatch in " + ", ".join(p.split(":", 1)[0] for p in problems)
 
 
 def transfer_parts(sched: Any, model_path: str, role: str) -> TransferParts:
@@ -66,7 +83,9 @@ def transfer_parts(sched: Any, model_path: str, role: str) -> TransferParts:
     cfg = sched.config
     name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}"
     transfer = NixlTransfer(name, timeout=cfg.pd_transfer_timeout)
-    channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout)
+    # From the env only: a flag would show in `ps`, an engine option in /get_server_info.
+    secret = os.environ.get(ENV_PD_SECRET) or None
+    channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
     layout = sched.runner.kv_pool.layout()
     slots = FirstTokenSlots(cfg.max_running_requests)
     meta = transfer.register(layout, slots.region())

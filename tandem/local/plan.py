@@ -2,8 +2,9 @@
 
 Every argv, env entry and engine YAML comes from the worker contract, as the operator
 renders them for pods; only the addresses differ: 127.0.0.1 and free ports instead of
-Services and fixed container ports, and one KV port range per worker instead of one per
-pod IP. torch-free: planning needs no engine.
+Services and fixed container ports, one KV port range per worker instead of one per
+pod IP, and a PD secret made for the run instead of a Secret per InferenceService.
+torch-free: planning needs no engine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tandem import worker_contract as contract
+from tandem.protocol.pd_secret import new_pd_secret
 
 ROUTER = "router"
 # The worker's own entry point, so that a venv without the console script on PATH still works.
@@ -137,7 +139,8 @@ def _env(name: str, role: str, kv: contract.KvTransfer) -> dict[str, str]:
     return env
 
 
-def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapping[str, object]) -> Component:
+def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapping[str, object],
+            pd_secret: str | None = None) -> Component:
     port, bootstrap = ports.one(), ports.one() if role == contract.PREFILL else contract.BOOTSTRAP_PORT
     kv = contract.KvTransfer(backend="nixl" if role != contract.COLOCATED else "none",
                              port_base=ports.block(contract.DEFAULT_KV_PORT_COUNT),
@@ -145,9 +148,11 @@ def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapp
     config = cfg.run_dir / f"{name}.yaml"
     argv = contract.worker_argv(contract.WorkerArgs(
         role=role, model=cfg.model, served_model_name=cfg.served_model_name, host="127.0.0.1", port=port,
-        bootstrap_port=bootstrap, config=str(config), extra=cfg.worker_args), program=PROGRAM)
+        bootstrap_port=bootstrap, config=str(config), extra=cfg.worker_args,
+        admin_port=ports.one()), program=PROGRAM)  # one host: each its own admin listener
     yaml_text = contract.EngineYaml(engine_args=dict(engine_args), kv_transfer=kv).render()
-    return Component(name, role, tuple(argv), _env(name, role, kv), port, {str(config): yaml_text})
+    env = {**_env(name, role, kv), **({contract.ENV_PD_SECRET: pd_secret} if pd_secret else {})}
+    return Component(name, role, tuple(argv), env, port, {str(config): yaml_text})
 
 
 def share_cores(cpus: Sequence[int], n: int) -> list[tuple[int, ...]]:
@@ -171,9 +176,10 @@ def plan(cfg: UpConfig, ports: Ports | None = None) -> list[Component]:
         workers = [_worker(cfg, ports, f"worker-{i}", contract.COLOCATED, {}) for i in range(cfg.serving_replicas)]
         router = contract.RouterArgs(workers=tuple(w.url for w in workers))
     else:
-        prefill = [_worker(cfg, ports, f"prefill-{i}", contract.PREFILL, {}) for i in range(cfg.prefill)]
+        secret = new_pd_secret()  # one per run: only this stack's workers take part in its PD traffic
+        prefill = [_worker(cfg, ports, f"prefill-{i}", contract.PREFILL, {}, secret) for i in range(cfg.prefill)]
         peers = ",".join(f"127.0.0.1:{bootstrap_port(p)}" for p in prefill)
-        decode = [_worker(cfg, ports, f"decode-{i}", contract.DECODE, {"pd_prefill_peers": peers})
+        decode = [_worker(cfg, ports, f"decode-{i}", contract.DECODE, {"pd_prefill_peers": peers}, secret)
                   for i in range(cfg.serving_replicas)]
         workers = [*prefill, *decode]
         router = contract.RouterArgs(prefill=tuple((p.url, bootstrap_port(p)) for p in prefill),
@@ -181,5 +187,5 @@ def plan(cfg: UpConfig, ports: Ports | None = None) -> list[Component]:
     if cfg.cpus:
         workers = [replace(w, cpus=c) for w, c in zip(workers, share_cores(cfg.cpus, len(workers)))]
     router = replace(router, host=cfg.host, port=cfg.port, tokenizer=cfg.model, model_name=cfg.served_model_name,
-                     extra=cfg.router_args)
+                     extra=cfg.router_args, admin_port=ports.one())
     return [*workers, Component(ROUTER, ROUTER, tuple(contract.router_argv(router, program=PROGRAM)), {}, cfg.port)]

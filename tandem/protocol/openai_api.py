@@ -4,17 +4,56 @@ body the engine accepts, so the servers answer bad input with 400 before any wor
 
 Field names and defaults follow OpenAI (and vLLM/SGLang for their extensions: top_k,
 min_p, ignore_eos, stop_token_ids). Unknown fields are ignored, as OpenAI's own
-server and vLLM do, so newer clients keep working.
+server and vLLM do, so newer clients keep working. Every number, list and string has an
+upper bound (limits.py): no value a client sends can overflow what the engine builds from it.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from tandem.protocol import limits as L
+
+# Prompt ids are checked against the vocabulary by the front, with a clearer message than a
+# bound here would give inside the prompt's union of shapes.
 NonNeg = Annotated[int, Field(ge=0)]
 TokenIds = list[NonNeg]
+TokenId = Annotated[int, Field(ge=0, le=L.MAX_TOKEN_ID)]
+
+
+def _top_k(v: int | None) -> int | None:
+    if v == 0:
+        raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+    return v
+
+
+def _stop(v: str | list[str] | None) -> str | list[str] | None:
+    stops = [v] if isinstance(v, str) else v or []
+    if len(stops) > L.MAX_STOP_STRINGS or any(not s or len(s) > L.MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"stop must be at most {L.MAX_STOP_STRINGS} non-empty strings of at most "
+                         f"{L.MAX_STOP_CHARS} characters")
+    return v
+
+
+def _check_prompts(prompts: list[str | list[int]]) -> None:
+    """Bounds before tokenizing: the batch's size and its text."""
+    if len(prompts) > L.MAX_PROMPTS:
+        raise ValueError(f"at most {L.MAX_PROMPTS} prompts per request")
+    if sum(len(p) for p in prompts if isinstance(p, str)) > L.MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt text exceeds {L.MAX_PROMPT_CHARS} characters")
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, le=L.MAX_TOP_K), AfterValidator(_top_k)]
+MaxTokens = Annotated[int, Field(ge=0, le=L.MAX_NEW_TOKENS)]
+Seed = Annotated[int, Field(ge=0, le=L.MAX_SEED)]
+Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=L.MAX_STOP_TOKEN_IDS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class _Body(BaseModel):
@@ -30,7 +69,7 @@ class _Bootstrap(_Body):
     decode worker; the room names the request on both. Job i of a batch or of `n`
     choices is room + i on both sides."""
 
-    bootstrap_host: str | None = None
+    bootstrap_host: str | None = Field(default=None, max_length=255)
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
 
@@ -43,36 +82,23 @@ class _Sampling(_Bootstrap):
     """What completions and chat share."""
 
     model: str
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=64)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    n: int = Field(default=1, ge=1, le=L.MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNeg] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: Stop = None
+    stop_token_ids: StopTokenIds | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int | None) -> int | None:
-        if v == 0:
-            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop must be at most 16 non-empty strings")
-        return v
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # Refused when not empty (below); bounded anyway, so no field of a body is unbounded.
+    logit_bias: dict[Annotated[str, Field(max_length=20)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        default=None, max_length=L.MAX_LOGIT_BIAS)  # token ids as strings -> OpenAI's bias range
+    user: str | None = Field(default=None, max_length=L.MAX_ID_CHARS)
 
     @model_validator(mode="after")
     def _unsupported(self) -> _Sampling:
@@ -101,10 +127,10 @@ class _Sampling(_Bootstrap):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: MaxTokens | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=L.MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=L.MAX_N)
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -114,6 +140,7 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo with logprobs needs prompt logprobs, which are not supported")
         if self.prompt == [] or self.prompt == "":
             raise ValueError("prompt must not be empty")
+        _check_prompts(self.prompts())
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -132,7 +159,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(default=None, max_length=L.MAX_ID_CHARS)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -141,11 +168,11 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=L.MAX_MESSAGES)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=L.MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -157,6 +184,8 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("tools are not supported by this server")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("only response_format type 'text' is supported")
+        if sum(len(m.text()) for m in self.messages) > L.MAX_PROMPT_CHARS:
+            raise ValueError(f"the messages' text exceeds {L.MAX_PROMPT_CHARS} characters")
         return self
 
     @property
@@ -168,23 +197,16 @@ class GenerateSampling(BaseModel):
     """SGLang's sampling_params, the subset this engine runs; any other key is a 400."""
 
     model_config = ConfigDict(extra="forbid")
-    max_new_tokens: int = Field(default=128, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNeg] | None = None
+    max_new_tokens: MaxTokens = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    stop: Stop = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    seed: Seed | None = None
     skip_special_tokens: bool = True
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
-        return v
 
     def engine_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)
@@ -198,9 +220,9 @@ class GenerateRequest(_Bootstrap):
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=20)
-    logprob_start_len: int = -1
-    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    top_logprobs_num: int = Field(default=0, ge=0, le=L.MAX_TOP_LOGPROBS)
+    logprob_start_len: int = Field(default=-1, ge=-1, le=L.INT32_MAX)
+    rid: str | None = Field(default=None, min_length=1, max_length=L.MAX_ID_CHARS)
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -210,6 +232,7 @@ class GenerateRequest(_Bootstrap):
             raise ValueError("the prompt is empty")
         if self.is_batch and self.stream:
             raise ValueError("streaming is for one prompt at a time")
+        _check_prompts(self.prompts())
         return self
 
     @property

@@ -12,15 +12,24 @@ rank, torch-free and versioned (docs/pd.md has the sequence diagram).
 
 KV bytes never travel here: NIXL moves them (engine/transfer/). `bootstrap_room` (an
 int chosen by the router) names a request on both sides; these messages carry it as `room`.
+
+Nothing a peer sends is trusted: `decode` checks every field against its schema
+(pd_schema.py: exact keys, types, bounds) and returns a well-typed message or raises
+BadMessage, the one exception a receiver has to catch; `parse_notify` likewise.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem.protocol.pd_schema import BadMessage as BadMessage
+from tandem.protocol.pd_schema import Spec, boolean, int_list, record, text, uint
+
 PD_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,9 @@ class Welcome:
     agent: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.error = self.error[:MAX_TEXT]  # the schema's bound: a longer one would be refused
+
 
 @dataclass
 class KVDest:
@@ -87,6 +99,9 @@ class KVCancel:
     room: int
     reason: str
 
+    def __post_init__(self) -> None:
+        self.reason = self.reason[:MAX_TEXT]
+
 
 @dataclass
 class KVCancelled:
@@ -104,19 +119,74 @@ class HeartbeatAck:
     known: bool  # False: this prefill has no handshake with the sender (it restarted)
 
 
+Message = Hello | Welcome | KVDest | KVCancel | KVCancelled | Heartbeat | HeartbeatAck
 PD_TYPES = {t.__name__: t for t in (Hello, Welcome, KVDest, KVCancel, KVCancelled, Heartbeat, HeartbeatAck)}
 
+# ---- the schema: every field's type and bounds -----------------------------------------------------
+ROOM_LIMIT = 2**63  # bootstrap_room is a 63-bit id (the API accepts nothing else)
+COUNT_LIMIT = 2**31  # pages, positions, slots, sizes
+ADDR_LIMIT = 2**64
+MAX_NAME, MAX_TEXT, MAX_AGENT = 128, 4096, 256 * 1024  # agent: base64 NIXL metadata (~0.5 KiB on UCX)
+MAX_PAGES = 1 << 18  # a bound for the parser; prefill checks the count against the prompt
 
-def encode(msg: Any) -> bytes:
+_count, _positive = uint(COUNT_LIMIT), uint(COUNT_LIMIT, lo=1)
+_IDENTITY = record({"version": _count, "model_id": text(MAX_NAME), "dtype": text(32), "page_size": _positive,
+                    "num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive}, may_be_empty=True)
+_LAYOUT = record({"num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive, "dtype": text(32),
+                  "itemsize": _positive, "page_size": _positive, "num_pages": _positive,
+                  "base_ptr": uint(ADDR_LIMIT)}, may_be_empty=True)
+_META = record({"addr": uint(ADDR_LIMIT), "slot_bytes": _positive, "slots": _positive}, may_be_empty=True)
+_HALF = {"identity": _IDENTITY, "layout": _LAYOUT, "agent": text(MAX_AGENT), "meta": _META}  # describe()
+_ROOM, _NAME, _TEXT = uint(ROOM_LIMIT), text(MAX_NAME), text(MAX_TEXT)
+SCHEMAS: dict[type, Spec] = {
+    Hello: record({"name": _NAME, **_HALF}),
+    Welcome: record({"name": _NAME, "ok": boolean, "error": _TEXT, **_HALF}),
+    KVDest: record({"room": _ROOM, "pages": int_list(MAX_PAGES, COUNT_LIMIT), "skip": _count, "slot": _count,
+                    "prompt_len": _positive}),
+    KVCancel: record({"room": _ROOM, "reason": _TEXT}),
+    KVCancelled: record({"room": _ROOM}),
+    Heartbeat: record({"name": _NAME}),
+    HeartbeatAck: record({"name": _NAME, "known": boolean}),
+}
+
+
+def encode(msg: Message) -> bytes:
     return json.dumps({"v": PD_VERSION, "type": type(msg).__name__, "body": asdict(msg)},
                       separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> Any:
-    obj = json.loads(data)
-    if obj.get("v") != PD_VERSION:
-        raise ValueError(f"PD protocol version {obj.get('v')} != {PD_VERSION}")
-    return PD_TYPES[obj["type"]](**obj["body"])
+def decode(data: bytes) -> Message:
+    """The message in `data`, every field checked; BadMessage for anything else."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadMessage(f"{len(data)} bytes: over the {MAX_MESSAGE_BYTES} byte limit")
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, a 5000-digit int, 200k nested [
+        raise BadMessage(f"not a JSON message ({type(exc).__name__})") from None
+    if type(obj) is not dict or obj.keys() != {"v", "type", "body"}:
+        raise BadMessage("not a PD message: an object with v, type and body expected")
+    if obj["v"] != PD_VERSION or type(obj["v"]) is not int:
+        raise BadMessage(f"PD protocol version {str(obj['v'])[:20]} != {PD_VERSION}")
+    cls = PD_TYPES.get(obj["type"]) if type(obj["type"]) is str else None
+    if cls is None:
+        raise BadMessage(f"unknown message type {str(obj['type'])[:40]!r}")
+    msg = cls(**SCHEMAS[cls](obj["body"], cls.__name__))
+    if isinstance(msg, (Hello, Welcome)):
+        _check_half(msg)
+    return msg
+
+
+def _check_half(msg: Hello | Welcome) -> None:
+    """A Hello and an accepting Welcome carry a whole half (describe()); a refusal carries none of it."""
+    full = not isinstance(msg, Welcome) or msg.ok
+    parts = (msg.identity, msg.layout, msg.meta, msg.agent)
+    if full and not all(parts):
+        raise BadMessage(f"{type(msg).__name__}: identity, layout, agent and meta are required")
+    if not full and any(parts):
+        raise BadMessage("a refusing Welcome carries only its error")
+
+
+_NOTIFY = re.compile(rb"(\d{1,19}):(\d{1,10}):(\d{1,10}|-)")
 
 
 def notify(room: int, chunk: int, total: int | None) -> bytes:
@@ -125,5 +195,8 @@ def notify(room: int, chunk: int, total: int | None) -> bytes:
 
 
 def parse_notify(data: bytes) -> tuple[int, int, int | None]:
-    room, chunk, total = data.decode().split(":")
-    return int(room), int(chunk), None if total == "-" else int(total)
+    """(room, chunk, total or None); BadMessage for anything notify() does not write."""
+    m = _NOTIFY.fullmatch(data) if isinstance(data, bytes) else None
+    if m is None or int(m[1]) >= ROOM_LIMIT:
+        raise BadMessage(f"not a KV notification ({len(data)} bytes)")
+    return int(m[1]), int(m[2]), None if m[3] == b"-" else int(m[3])

@@ -11,8 +11,9 @@
     POST /abort_request     {"rid": ...}
 
 The three POSTs change the worker's state: the Guard (security.py, ADMIN_ROUTES) lets them
-through only from the pod itself (loopback, as the preStop hook calls /drain) or with the
-API key: reaching port 8000 from another pod is not enough to drain a worker.
+through only on the admin listener (127.0.0.1:--admin-port, where the preStop hook calls
+/drain; admin_listener.py) or with the admin key (--admin-key, never the API key): reaching
+port 8000, from another pod or through a sidecar, is not enough to drain a worker.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The worker's FastAPI app: routes, error handlers, the guard, and a lifespan that
 loads the model (its scheduler processes) before the port opens and shuts them down
-after it closes."""
+after it closes.
+
+A worker whose scheduler dies does not linger answering 503: /health fails at once, the
+server stops (in-flight requests get their 503) and the process exits with
+SCHEDULER_DIED_EXIT, so that Kubernetes or `tandem up --restart` replaces it."""
 
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ from fastapi import FastAPI
 from tandem.server import admin_routes, errors, generate_routes, openai_routes
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
+from tandem.server.json_body import JsonBodies
 from tandem.server.metrics import ServerMetrics
 from tandem.server.runtime import Runtime
 from tandem.server.security import Guard
 from tandem.server.tokens import Tokens
 
 log = logging.getLogger("tandem.server")
+SCHEDULER_DIED_EXIT = 70  # sysexits' EX_SOFTWARE
 
 
 def scheduler_processes(config: ServerConfig) -> Callable[[Callable], Any]:
@@ -41,7 +47,8 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
         log.info("loading %s (%s role, dp_size %d)", config.model_path, config.role, config.engine.dp_size)
         tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         metrics = ServerMetrics()
-        front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe)
+        front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe,
+                      on_down=lambda: _stop_serving(app))
         rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics)
         log.info("scheduler ready in %.1f s: %s", time.monotonic() - t0, front.info)
         if config.standalone:
@@ -52,15 +59,27 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
         try:
             yield
         finally:
+            died = front.error is not None  # read before the shutdown, which ends the ranks too
             log.info("shutting down the scheduler")
             front.shutdown()
+            app.state.scheduler_died = died  # the server process exits SCHEDULER_DIED_EXIT (process.py)
 
     app = FastAPI(title="tandem worker", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     for r in (openai_routes.router, generate_routes.router, admin_routes.router):
         app.include_router(r)
-    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    app.add_middleware(JsonBodies)  # inside the guard: a body is checked once it is let in
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
+                       admin_key=config.admin_key, admin_port=config.admin_port)
     return app
+
+
+def _stop_serving(app: FastAPI) -> None:
+    """The scheduler died: ask the server process to stop (request_exit is process.py's)."""
+    stop = getattr(app.state, "request_exit", None)
+    if stop is not None:
+        log.error("the scheduler died: stopping this worker, so that it is replaced")
+        stop()
 
 
 async def _warm_up(rt: Runtime) -> None:

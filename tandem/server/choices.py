@@ -45,14 +45,15 @@ class Choice:
 def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[str, Any]]],
                  rid: str | None = None, **bootstrap: Any) -> list[Choice]:
     """Admit every (input_ids, sampling) job or none: a refusal closes those already opened.
-    A caller's `rid` names a single job (batches get generated ids)."""
+    A caller's `rid` names a single job (batches are known by the front's ids only); it is
+    the client's name for it, never the schedulers' key (front.py)."""
     choices: list[Choice] = []
     try:
         for i, (ids, sp) in enumerate(jobs):
             stops = sp.get("stop") or ()
             room = bootstrap.get("bootstrap_room")
             job_bootstrap = {**bootstrap, "bootstrap_room": None if room is None else (room + i) % 2**63}
-            stream = front.open(ids, sp, rid=rid if len(jobs) == 1 else None, **job_bootstrap)
+            stream = front.open(ids, sp, client_rid=rid if len(jobs) == 1 else None, **job_bootstrap)
             choices.append(Choice(i, stream, TextStream(tokens.tok, (stops,) if isinstance(stops, str)
                                                         else tuple(stops)), len(ids)))
     except BaseException:

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.worker_contract import ENV_POD_IP, PREFILL, KvTransfer, add_worker_arguments, kv_from_env
+from tandem.worker_contract import (
+    ADMIN_PORT,
+    ENV_ADMIN_KEY,
+    ENV_POD_IP,
+    PREFILL,
+    KvTransfer,
+    add_worker_arguments,
+    kv_from_env,
+)
 
 ENV_API_KEY = "TANDEM_API_KEY"
 
@@ -30,11 +38,19 @@ class ServerConfig:
     port: int = 8000
     bootstrap_port: int = 8998
     api_key: str | None = None
+    admin_key: str | None = None  # the admin routes on the main listener (never the API key)
+    admin_port: int = ADMIN_PORT  # the admin listener on 127.0.0.1; 0: none
     max_queued_requests: int = 1024  # beyond the running slots; then 429
     max_request_bytes: int = 8 * 2**20
     drain_timeout: float = 30.0
     pod_ip: str | None = None
     kv_transfer: KvTransfer | None = None
+
+    def __post_init__(self) -> None:
+        if self.admin_key and self.admin_key == self.api_key:
+            raise ValueError("--admin-key must differ from --api-key: the API key must not reach the admin routes")
+        if self.admin_port and self.admin_port == self.port:
+            raise ValueError(f"--admin-port {self.admin_port} is the HTTP port")
 
     @property
     def max_active(self) -> int:
@@ -72,6 +88,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     add_worker_arguments(p)
     p.add_argument("--api-key", default=None, help=f"require this bearer key (or set ${ENV_API_KEY})")
+    p.add_argument("--admin-key", default=None,
+                   help=f"the key for the admin routes on the main port (or set ${ENV_ADMIN_KEY}); without it they "
+                        "are served on the admin listener (127.0.0.1:--admin-port) only")
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20)
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -99,7 +118,9 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.env
         role=ns.role, model_path=resolve_model(ns.model), served_model_name=ns.served_model_name or ns.model,
         engine=dataclasses.replace(engine, pd_bootstrap_host=ns.host, pd_bootstrap_port=ns.bootstrap_port),
         host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
-        api_key=ns.api_key or environ.get(ENV_API_KEY) or None, max_queued_requests=ns.max_queued_requests,
+        api_key=ns.api_key or environ.get(ENV_API_KEY) or None,
+        admin_key=ns.admin_key or environ.get(ENV_ADMIN_KEY) or None,
+        admin_port=ADMIN_PORT if ns.admin_port is None else ns.admin_port, max_queued_requests=ns.max_queued_requests,
         max_request_bytes=ns.max_request_bytes, drain_timeout=ns.drain_timeout, pod_ip=environ.get(ENV_POD_IP),
         kv_transfer=kv_from_env(environ) or kv,
     )

@@ -7,6 +7,14 @@ Outputs arrive on the client's reader thread and are handed to the event loop in
 call per batch. A request lives in `active` from admission until its stream is closed;
 closing a stream that has not finished sends AbortReq, so a client that goes away frees
 its pages. Admission is bounded (429 past the limit) and stops while draining (503).
+
+The schedulers know a request only by the id this front gives it, unique for the front's
+life. A client's own `rid` (/generate's) is a name kept beside it, for /abort_request and
+for the answer: a client that reuses its rid right after a disconnect reaches its new
+request, while the old one's late outputs and abort still go to the old one.
+
+A scheduler that dies fails every waiting request, and `on_down` is called: the server then
+exits, so that Kubernetes or `tandem up --restart` replaces the worker (app.py).
 """
 
 from __future__ import annotations
@@ -26,15 +34,19 @@ from tandem.server.errors import ApiError
 log = logging.getLogger(__name__)
 
 
-class SchedulerDown(RuntimeError):
-    pass
+class SchedulerDown(ApiError):
+    """The scheduler died under a waiting request: a 503 (retryable elsewhere), not a bug's 500."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message)
 
 
 @dataclass
 class Stream:
     """One request's outputs, in order; the last one has finished=True."""
 
-    rid: str
+    rid: str  # the schedulers' key, made by the front
+    client_rid: str | None = None  # the client's name for it, if it gave one
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     finished: bool = False
@@ -49,13 +61,21 @@ class Stream:
         self.finished = out.finished
         return out
 
+    @property
+    def name(self) -> str:
+        """The id the client sees: its own rid, or the front's."""
+        return self.client_rid or self.rid
+
 
 class Front:
     def __init__(self, client_factory: Callable[[Callable[[list[Any]], None]], Any],
-                 max_active: int, observe: Callable[[Stream, ReqOutput], None] = lambda s, o: None) -> None:
+                 max_active: int, observe: Callable[[Stream, ReqOutput], None] = lambda s, o: None,
+                 on_down: Callable[[], None] = lambda: None) -> None:
         """client_factory(emit) builds the SchedulerClient (it blocks until the model is loaded)."""
         self.loop = asyncio.get_running_loop()
-        self.active: dict[str, Stream] = {}
+        self.active: dict[str, Stream] = {}  # by the front's id
+        self.named: dict[str, Stream] = {}  # in-flight requests by their client's rid
+        self.on_down = on_down
         self.admin_waiters: dict[str, tuple[int, list[AdminResult], asyncio.Future]] = {}
         self.max_active = max_active
         self.observe = observe
@@ -86,13 +106,14 @@ class Front:
     async def _watch(self) -> None:
         """A dead scheduler fails every waiting request instead of leaving it hanging."""
         while self.error is None:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)
         log.error("scheduler stopped: %r", self.error)
         for s in list(self.active.values()):
             s.queue.put_nowait(SchedulerDown(f"the scheduler stopped: {self.error!r}"))
         for _, _, fut in self.admin_waiters.values():
             if not fut.done():
                 fut.set_exception(SchedulerDown("the scheduler stopped"))
+        self.on_down()
 
     @property
     def error(self) -> BaseException | None:
@@ -103,7 +124,7 @@ class Front:
         return self.client.info
 
     # ---- requests -----------------------------------------------------------------------------------
-    def open(self, input_ids: list[int], sampling: dict[str, Any], rid: str | None = None,
+    def open(self, input_ids: list[int], sampling: dict[str, Any], client_rid: str | None = None,
              **bootstrap: Any) -> Stream:
         """Admit one request and send it; the caller must `close` the stream."""
         if self.error is not None:
@@ -112,20 +133,31 @@ class Front:
             raise ApiError(503, "the server is draining and admits no new requests")
         if len(self.active) >= self.max_active:
             raise ApiError(429, f"too many requests in flight ({self.max_active}); retry later")
-        rid = rid or f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
-        if rid in self.active:
-            raise ApiError(400, f"request id {rid!r} is already in flight", param="rid")
-        stream = self.active[rid] = Stream(rid)
+        if client_rid is not None and client_rid in self.named:
+            raise ApiError(400, f"request id {client_rid!r} is already in flight", param="rid")
+        rid = f"{next(self._ids)}-{uuid.uuid4().hex[:12]}"
+        stream = self.active[rid] = Stream(rid, client_rid)
+        if client_rid is not None:
+            self.named[client_rid] = stream
         try:
             self.client.send(GenerateReq(rid, list(input_ids), sampling, **bootstrap))
         except RuntimeError as exc:  # a rank is gone (the client raises rather than block)
-            del self.active[rid]
+            self._forget(stream)
             raise ApiError(503, f"the scheduler is not running: {exc}") from None
         return stream
 
     def close(self, stream: Stream) -> None:
-        if self.active.pop(stream.rid, None) is not None and not stream.finished and self.error is None:
+        if self._forget(stream) and not stream.finished and self.error is None:
             self._send_quietly(AbortReq(stream.rid))
+
+    def _forget(self, stream: Stream) -> bool:
+        """Drop the stream from both tables; False if it was closed already."""
+        self._unname(stream)
+        return self.active.pop(stream.rid, None) is not None
+
+    def _unname(self, stream: Stream) -> None:
+        if stream.client_rid is not None and self.named.get(stream.client_rid) is stream:
+            del self.named[stream.client_rid]
 
     def _send_quietly(self, msg: Any) -> None:
         """Best-effort sends (aborts): a dead scheduler has nothing left to abort."""
@@ -135,12 +167,17 @@ class Front:
             pass
 
     def abort(self, rid: str) -> bool:
-        stream = self.active.get(rid)
+        """/abort_request: `rid` is what the client sees (`Stream.name`): its own, or the front's."""
+        stream = self.named.get(rid) or self.active.get(rid)
         if stream is None:
             return False
-        stream.aborted = True
-        self._send_quietly(AbortReq(rid))
+        self._abort(stream)
         return True
+
+    def _abort(self, stream: Stream) -> None:
+        stream.aborted = True
+        self._unname(stream)  # its client may reuse the rid at once; its last answer still reaches it
+        self._send_quietly(AbortReq(stream.rid))
 
     # ---- admin --------------------------------------------------------------------------------------
     async def admin(self, make: Callable[[str], Any], timeout: float = 30.0) -> list[AdminResult]:
@@ -172,7 +209,7 @@ class Front:
             await asyncio.sleep(0.05)
         aborted = list(self.active)
         for rid in aborted:
-            self.abort(rid)
+            self._abort(self.active[rid])
         deadline = time.monotonic() + 30
         pools = await self.pool_state()
         while not all(p["idle"] for p in pools) and time.monotonic() < deadline:

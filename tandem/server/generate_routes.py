@@ -44,7 +44,7 @@ def _finish_reason(out: Any) -> dict[str, Any] | None:
 def _meta(c: Choice, deltas: list[Delta], t0: float, logprob: bool) -> dict[str, Any]:
     last = deltas[-1].out
     meta: dict[str, Any] = {
-        "id": c.stream.rid, "finish_reason": _finish_reason(last), "prompt_tokens": c.prompt_len,
+        "id": c.stream.name, "finish_reason": _finish_reason(last), "prompt_tokens": c.prompt_len,
         "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens,
         "e2e_latency": time.monotonic() - t0,
     }

@@ -4,6 +4,9 @@ around the app.
 SIGTERM (and a first Ctrl-C) drains: readiness turns false, in-flight requests get
 --drain-timeout seconds, the rest are aborted, the KV pool is checked, then uvicorn
 stops and the lifespan shuts the schedulers down. A second signal exits at once.
+
+Beside it, the admin listener on 127.0.0.1:--admin-port (admin_listener.py) serves /drain
+(the preStop hook's call), /flush_cache and /abort_request without a key.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Any
 
 import uvicorn
 
-from tandem.server.app import build_app
+from tandem.server import admin_listener
+from tandem.server.app import SCHEDULER_DIED_EXIT, build_app
 from tandem.server.coalesced_http import http_protocol
 from tandem.server.config import ServerConfig
 
@@ -52,5 +56,7 @@ def run(config: ServerConfig) -> int:
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5, access_log=False,
                                            http=http_protocol()), app)
-    server.run()
+    admin_listener.run(server, app, config.admin_port)
+    if getattr(app.state, "scheduler_died", False):  # stopped because of it: a failure to replace, not a drain
+        return SCHEDULER_DIED_EXIT
     return 0 if server.started else 1

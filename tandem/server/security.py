@@ -1,20 +1,25 @@
-"""API key, admin access and request-size limits, as one ASGI middleware in front of every route.
+"""API key, admin key and request-size limits, as one ASGI middleware in front of every route.
 
-With a key set, every route but the probes and the metrics scrape needs
-`Authorization: Bearer <key>` (compared in constant time). Bodies over the limit
+With an API key set, every route but the probes and the metrics scrape needs
+`Authorization: Bearer <api key>` (compared in constant time). Bodies over the limit
 are refused with 413 whether or not they declare a Content-Length.
 
 The state-changing admin routes (ADMIN_ROUTES: the worker's drain, cache flush and abort,
-the router's drain and worker add/remove) answer only the pod itself (a loopback peer: the
-preStop hook, `kubectl exec`, `kubectl port-forward`) or a request carrying the key; with no
-key set, only the pod itself. Reaching port 8000 from another pod is not enough to take a
-worker out of service. The worker and the router share this module, so it stays torch-free.
+the router's drain and worker add/remove) are for operators, not inference clients:
+
+    admin listener (127.0.0.1:--admin-port, tandem/server/admin_listener.py)   let in
+    main listener with `Authorization: Bearer <admin key>` (--admin-key)        let in
+    main listener, anything else (the API key, a loopback peer)                 403
+
+Loopback is not trusted on the main listener: behind a service mesh sidecar every caller
+arrives from a loopback address. Only a socket bound to 127.0.0.1 is reachable from inside
+the pod alone (the preStop hook, `kubectl exec`, `kubectl port-forward`). The worker and the
+router share this module, so it stays torch-free.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 from typing import Any
 
@@ -28,41 +33,31 @@ ADMIN_ROUTES = frozenset({
     ("POST", DRAIN_PATH), ("POST", "/flush_cache"), ("POST", "/abort_request"),  # worker (and router drain)
     ("POST", "/workers"), ("DELETE", "/workers"),  # router
 })
-# Exactly the two addresses the pod's own clients use, not all of 127.0.0.0/8: Istio's sidecar
-# relays inbound traffic from 127.0.0.6, which would make every remote caller look local.
-_LOOPBACK = frozenset({ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")})
-# A loopback peer that forwards for someone else (a local proxy or sidecar) is not the pod itself.
-# The headers are never read for an address: any client can write them.
-_FORWARDED = (b"x-forwarded-for", b"forwarded", b"x-real-ip")
+# What the admin listener serves: the admin routes, the probes, and the router's worker list.
+ADMIN_LISTENER_ROUTES = ADMIN_ROUTES | {("GET", p) for p in OPEN_PATHS} | {("GET", "/workers")}
+# Set in the ASGI scope by the admin listener (never from anything a client sends).
+ADMIN_LISTENER = "tandem.admin_listener"
 
 
-def is_loopback_peer(scope: dict, headers: dict[bytes, bytes]) -> bool:
-    """The TCP peer is this pod itself and no proxy relayed the request."""
-    client = scope.get("client")
-    if not client or any(h in headers for h in _FORWARDED):
-        return False
-    try:
-        ip = ipaddress.ip_address(str(client[0]).split("%", 1)[0])
-    except ValueError:  # a unix socket, or a test client's made-up name
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack listener
-        ip = ip.ipv4_mapped
-    return ip in _LOOPBACK
+def _bearer(key: str | None) -> bytes | None:
+    return f"Bearer {key}".encode() if key else None
 
 
-def admin_refusal(scope: dict, headers: dict[bytes, bytes], key: bytes | None) -> str | None:
-    """Why an admin route refuses this request, or None when it may go on: a loopback peer,
-    or the configured key (`key` is the whole expected header value, b"Bearer <key>")."""
-    if is_loopback_peer(scope, headers):
+def admin_refusal(scope: dict, headers: dict[bytes, bytes], admin_key: bytes | None,
+                  admin_port: int | None = None) -> str | None:
+    """Why an admin route refuses this request, or None when it may go on: it came in on the
+    admin listener, or with the admin key (`admin_key` is the whole header value, b"Bearer <key>")."""
+    if scope.get(ADMIN_LISTENER) is True:
         return None
-    if key is not None and hmac.compare_digest(headers.get(b"authorization", b""), key):
+    if admin_key is not None and hmac.compare_digest(headers.get(b"authorization", b""), admin_key):
         return None
     where = f"{scope.get('method', '')} {scope.get('path', '')}".strip()
-    local = "call it from inside the pod (http://127.0.0.1, e.g. through kubectl exec or kubectl port-forward)"
-    if key is None:
-        return (f"{where} is an admin endpoint: {local}; no API key is set, so remote callers are refused "
-                "(start the server with --api-key or $TANDEM_API_KEY to allow them)")
-    return f"{where} is an admin endpoint: {local}, or send the API key as Authorization: Bearer <key>"
+    listener = f"http://127.0.0.1:{admin_port}" if admin_port else "the admin listener (--admin-port)"
+    inside = f"call it on {listener} from inside the pod (kubectl exec, or kubectl port-forward to that port)"
+    if admin_key is None:
+        return f"{where} is an admin endpoint: {inside}; no admin key is set (--admin-key or $TANDEM_ADMIN_KEY)"
+    return f"{where} is an admin endpoint: {inside}, or send the admin key (not the API key) as " \
+           "Authorization: Bearer <key>"
 
 
 def forbidden_body(message: str) -> dict:
@@ -76,9 +71,12 @@ class TooLarge(Exception):
 
 
 class Guard:
-    def __init__(self, app: Any, api_key: str | None, max_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_bytes: int, admin_key: str | None = None,
+                 admin_port: int | None = None) -> None:
+        if api_key and admin_key == api_key:
+            raise ValueError("the admin key must differ from the API key")
         self.app = app
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key, self.admin_key, self.admin_port = _bearer(api_key), _bearer(admin_key), admin_port
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -86,10 +84,10 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if (scope.get("method"), scope["path"]) in ADMIN_ROUTES:
-            refusal = admin_refusal(scope, headers, self.key)
+            refusal = admin_refusal(scope, headers, self.admin_key, self.admin_port)
             if refusal is not None:
                 return await _send(send, 403, forbidden_body(refusal))
-        elif self.key is not None and scope["path"] not in OPEN_PATHS:
+        elif self.key is not None and scope["path"] not in OPEN_PATHS and scope.get(ADMIN_LISTENER) is not True:
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.key):
                 return await _reply(send, 401, "a valid API key is required (Authorization: Bearer <key>)")
         declared = headers.get(b"content-length")

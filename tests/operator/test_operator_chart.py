@@ -22,6 +22,7 @@ from tandem.operator.crd import build_crds
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
 
 NAMESPACED = {"watch": {"allNamespaces": False, "namespaces": ["serving", "research"]}}
+ALL_NAMESPACES = {"watch": {"allNamespaces": True}}
 MONITORS = {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
             "podMonitor": {"enabled": True, "interval": "1m"}}
 STANDALONE = {"leaderElection": {"enabled": False}}
@@ -45,13 +46,16 @@ def test_lint_has_no_errors_or_warnings() -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
-@pytest.mark.parametrize("values", [None, NAMESPACED, {**NAMESPACED, **MONITORS}, {**MONITORS, **STANDALONE}],
-                         ids=["all-namespaces", "two-namespaces", "namespaced-monitors", "standalone-monitors"])
+@pytest.mark.parametrize("values", [None, ALL_NAMESPACES, NAMESPACED, {**NAMESPACED, **MONITORS},
+                                    {**MONITORS, **STANDALONE}],
+                         ids=["release-namespace", "all-namespaces", "two-namespaces", "namespaced-monitors",
+                              "standalone-monitors"])
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_rendered_manifests_pass_strict_validation(chart: Any, values: Any, version: str) -> None:
     docs = render(chart, values)
     assert {d["kind"] for d in docs} >= {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                         "CustomResourceDefinition", "Service"}
+                                         "CustomResourceDefinition", "Service", "ValidatingAdmissionPolicy",
+                                         "ValidatingAdmissionPolicyBinding"}
     for doc in docs:
         if doc["kind"] not in NOT_BUILT_IN:
             kube_validate(doc, version)
@@ -105,7 +109,7 @@ def _run_args(c: dict[str, Any]) -> argparse.Namespace:
     return parser.parse_args([*c["command"][1:], *c["args"]])
 
 
-@pytest.mark.parametrize("values", [None, NAMESPACED])
+@pytest.mark.parametrize("values", [None, ALL_NAMESPACES, NAMESPACED])
 def test_peering_is_on_by_default_with_a_rolling_update(chart: Any, values: Any) -> None:
     docs = render(chart, values)
     (dep,) = of_kind(docs, "Deployment")
@@ -114,12 +118,13 @@ def test_peering_is_on_by_default_with_a_rolling_update(chart: Any, values: Any)
     args = _run_args(container(docs))
     assert args.peering == "tandem" and args.priority is None  # replicas rank by age (runner.py)
     schemas = {k: c["spec"]["versions"][0]["schema"]["openAPIV3Schema"] for k, c in _peering_crds(chart).items()}
-    if values is None:
+    if values is ALL_NAMESPACES:
         (peering,) = of_kind(docs, "ClusterKopfPeering")
         assert "namespace" not in peering["metadata"] and of_kind(docs, "KopfPeering") == []
     else:
         peerings = of_kind(docs, "KopfPeering")
-        assert sorted(p["metadata"]["namespace"] for p in peerings) == ["research", "serving"]
+        expected = ["research", "serving"] if values is NAMESPACED else ["tandem-system"]
+        assert sorted(p["metadata"]["namespace"] for p in peerings) == expected
         assert of_kind(docs, "ClusterKopfPeering") == []
         peering = peerings[0]
     assert peering["apiVersion"] == "kopf.dev/v1" and peering["metadata"]["name"] == "tandem"
@@ -139,7 +144,7 @@ def test_more_than_one_replica_forces_peering(chart: Any) -> None:
     (dep,) = of_kind(docs, "Deployment")
     assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
     assert _run_args(container(docs)).peering == "tandem"
-    assert len(of_kind(docs, "ClusterKopfPeering")) == 1
+    assert len(of_kind(docs, "KopfPeering")) == 1  # in the release namespace, the default watch
 
 
 def test_operator_pod_is_non_root_with_read_only_root(chart: Any) -> None:
@@ -151,7 +156,8 @@ def test_operator_pod_is_non_root_with_read_only_root(chart: Any) -> None:
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
-    assert c["command"] == ["tandem", "operator", "run"] and "--all-namespaces" in c["args"]
+    assert c["command"] == ["tandem", "operator", "run"] and "--all-namespaces" not in c["args"]
+    assert _run_args(c).namespace == ["tandem-system"]  # namespaced by default: the release namespace
     env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
     assert env["POD_NAMESPACE"] == "metadata.namespace" and env["POD_ID"] == "metadata.name"
 
@@ -224,6 +230,7 @@ def test_monitors_select_the_operator_metrics(chart: Any) -> None:
     {"crds": {"install": "yes"}},
     {"operator": {"metricsPort": 80}},
     {"security": {"allowHostAccess": "true"}},
+    {"security": {"restrictPodPatches": "yes"}},
     {"networkPolicy": {"httpFromNamespaces": ["Bad_NS"]}},
     {"serviceMonitor": {"enabled": True, "interval": "30 seconds"}},
     {"podMonitor": {"enabled": True, "scrapeEvery": "30s"}},
@@ -238,10 +245,16 @@ def test_values_schema_accepts_defaults_and_every_option(chart: Any) -> None:
     chart.validate_schema(NAMESPACED)
     chart.validate_schema({"replicaCount": 2, "leaderElection": {"enabled": True, "name": "tandem-a"},
                            "crds": {"install": False}, "operator": {"metricsPort": 0},
-                           "security": {"allowHostAccess": True},
+                           "security": {"allowHostAccess": True, "restrictPodPatches": False},
                            "networkPolicy": {"httpFromNamespaces": ["monitoring"]}, **MONITORS})
 
 
-def test_namespaced_without_namespaces_fails_to_render(chart: Any) -> None:
-    with pytest.raises(helm.HelmRenderError, match="watch.namespaces"):
-        render(chart, {"watch": {"allNamespaces": False}})
+def test_namespaced_without_namespaces_watches_the_release_namespace(chart: Any) -> None:
+    for values in (None, {"watch": {"allNamespaces": False, "namespaces": []}}):
+        docs = render(chart, values)
+        assert _run_args(container(docs)).namespace == ["tandem-system"]
+        assert [(d["kind"], d["metadata"]["namespace"]) for d in docs if d["kind"] in ("Role", "RoleBinding")] == [
+            ("Role", "tandem-system"), ("RoleBinding", "tandem-system")]
+        assert [d["metadata"]["name"] for d in of_kind(docs, "ClusterRole")] == ["tandem-discovery"]
+    all_ns = _run_args(container(render(chart, ALL_NAMESPACES)))
+    assert all_ns.all_namespaces is True and all_ns.namespace == []

@@ -141,6 +141,8 @@ def test_create_gives_children_owner_refs_and_status(env: Env) -> None:
     assert all(c["metadata"]["ownerReferences"][0]["uid"] == uid for c in children)
     assert all(env.deployment("e2e-create", role) for role in ("prefill", "decode", "router"))
     assert len(env.children("e2e-create")) == 3
+    (secret,) = env.children("e2e-create", "v1/secrets")  # the PD key: created by a plain POST, owned
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid and secret["immutable"] is True
     cr = wait_for("status", lambda: (c := env.cr("e2e-create")) and condition(c, "Progressing") and c)
     assert cr["status"]["url"] == "http://e2e-create.default.svc.cluster.local"
     assert condition(cr, "Ready")["status"] == "False"  # no pods exist in an emulator
@@ -209,6 +211,7 @@ def test_delete_removes_the_cr_and_its_children(env: Env) -> None:
     env.kubectl("delete", "tisvc", "e2e-delete", "--wait=false")
     wait_for("CR gone (kopf released its finalizer)", lambda: env.cr("e2e-delete") is None)
     wait_for("children collected", lambda: env.all_children("e2e-delete") == [])
+    wait_for("PD Secret collected", lambda: env.children("e2e-delete", "v1/secrets") == [])
 
 
 def test_metrics_count_reconciles_by_result(env: Env) -> None:

@@ -44,6 +44,7 @@ USED: dict[Key, tuple[set[str], str]] = {
     ("", "pods"): ({"get", "list", "watch", "patch"},
                    "list: metrics and status; patch: pod-deletion-cost; get/watch: granted to the router"),
     ("autoscaling", "horizontalpodautoscalers"): ({"get", "list"}, "detect an HPA fighting the autoscaler"),
+    ("", "secrets"): ({"get", "create"}, "pd_secret.py: the PD key, created once, read back to check it"),
     ("", "events"): ({"create"}, "kopf posts core/v1 events"),
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}  # kopf's documented peering RBAC
@@ -51,8 +52,9 @@ DISCOVERY = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "wa
              ("", "namespaces"): {"list", "watch"}}
 # KubeApi methods and the verbs they need.
 METHOD_VERBS = {"apply": {"create", "patch"}, "merge_patch": {"patch"}, "get": {"get"}, "list": {"list"},
-                "delete": {"delete"}}
+                "delete": {"delete"}, "create": {"create"}}
 NAMESPACED = {"watch": {"allNamespaces": False, "namespaces": ["serving", "research"]}}
+ALL_NAMESPACES = {"watch": {"allNamespaces": True}}
 STANDALONE = {"leaderElection": {"enabled": False}}
 
 
@@ -105,7 +107,7 @@ def scanned_calls() -> set[tuple[Key, str]]:
 
 
 def test_granted_verbs_equal_the_table(chart: Any) -> None:
-    for values in (None, STANDALONE):
+    for values in (ALL_NAMESPACES, {**ALL_NAMESPACES, **STANDALONE}):
         granted = grants(role_rules(render(chart, values), "ClusterRole"))
         granted.pop(("kopf.dev", "clusterkopfpeerings"), None)
         assert granted == {key: verbs for key, (verbs, _) in USED.items()}
@@ -124,7 +126,7 @@ def test_every_child_kind_can_be_applied_pruned_and_read() -> None:
 
 
 def test_the_operator_holds_whatever_its_roles_grant(chart: Any) -> None:
-    granted = grants(role_rules(render(chart), "ClusterRole"))
+    granted = grants(role_rules(render(chart), "Role"))
     for path in example_paths():
         for child in reconcile(load_example(path), OperatorPolicy(allow_host_access=True)):
             if child["kind"] != "Role":
@@ -133,12 +135,13 @@ def test_the_operator_holds_whatever_its_roles_grant(chart: Any) -> None:
                 assert verbs <= granted.get(key, set()), (path.name, key, verbs)
 
 
-def test_no_wildcards_secrets_updates_or_escalation(chart: Any) -> None:
-    for values in (None, NAMESPACED):
+def test_no_wildcards_secret_reads_updates_or_escalation(chart: Any) -> None:
+    for values in (None, NAMESPACED, ALL_NAMESPACES):
         docs = render(chart, values)
         for rule in [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-            assert "secrets" not in rule["resources"]
+            # Secrets: create the PD key and get it back; never list or watch every Secret's data.
+            assert "secrets" not in rule["resources"] or set(rule["verbs"]) == {"get", "create"}
             assert not {"escalate", "bind", "impersonate", "update", "deletecollection"} & set(rule["verbs"])
 
 
@@ -159,11 +162,12 @@ def test_cluster_wide_writes_only_in_all_namespaces_mode(chart: Any) -> None:
 
 
 @pytest.mark.parametrize("values, cluster, namespaced", [
-    (None, PEERING_VERBS, None),
+    (ALL_NAMESPACES, PEERING_VERBS, None),
+    (None, None, PEERING_VERBS),
     (NAMESPACED, None, PEERING_VERBS),
     (STANDALONE, None, None),
-    ({**NAMESPACED, **STANDALONE}, None, None),
-], ids=["all-namespaces", "namespaced", "standalone", "namespaced-standalone"])
+    ({**ALL_NAMESPACES, **STANDALONE}, None, None),
+], ids=["all-namespaces", "default", "namespaced", "standalone", "all-namespaces-standalone"])
 def test_peering_rules_follow_the_mode(chart: Any, values: Any, cluster: Any, namespaced: Any) -> None:
     docs = render(chart, values)
     everything = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from operator_support import KUBE_VERSIONS, by_kind, kube_validate, render
 
+from tandem import worker_contract as contract
 from tandem.operator import names, role_scaler
 from tandem.operator.reconcile import desired_replicas, reconcile
 from tandem.operator.spec import SpecError, parse_service
@@ -74,6 +75,7 @@ def test_worker_contract(minimal_cr: dict[str, Any]) -> None:
     assert container(decode)["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
     drain = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     assert "/drain" in drain and "method='POST'" in drain and "timeout=120" in drain
+    assert f"127.0.0.1:{contract.ADMIN_PORT}/drain" in drain  # the admin listener, never the serving port
     assert prefill["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
@@ -275,3 +277,11 @@ def test_without_autoscaling_spec_replicas_are_literal(minimal_cr: dict[str, Any
     cr["status"] = {"autoscaler": {"decode": {"replicas": 9, "specReplicas": 3}}}
     dep = by_kind(render(cr))[("Deployment", "llama3-8b-decode")]
     assert dep["spec"]["replicas"] == 3
+
+
+def test_the_routers_prestop_drains_through_its_admin_listener(minimal_cr: dict[str, Any]) -> None:
+    kids = by_kind(reconcile(minimal_cr))
+    router = next(d for (kind, name), d in kids.items() if kind == "Deployment" and name.endswith("-router"))
+    c = router["spec"]["template"]["spec"]["containers"][0]
+    drain = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+    assert f"127.0.0.1:{contract.ROUTER_ADMIN_PORT}/drain" in drain

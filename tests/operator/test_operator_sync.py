@@ -62,6 +62,13 @@ class FakeApiServer:
                 applied.setdefault("spec", {})["replicas"] = replicas
             self.objects[path] = applied
             return httpx.Response(200, json=self.objects[path])
+        if request.method == "POST":  # a plain create: 409 when the object exists, as the API server says
+            created = json.loads(request.content)
+            target = f"{path}/{created['metadata']['name']}"
+            if target in self.objects:
+                return httpx.Response(409, json={"kind": "Status", "reason": "AlreadyExists", "message": "exists"})
+            self.objects[target] = created
+            return httpx.Response(201, json=created)
         if request.method == "GET" and path in self.objects:
             return httpx.Response(200, json=self.objects[path])
         if request.method == "GET" and "labelSelector" in request.url.params:
@@ -113,7 +120,8 @@ def test_sync_twice_is_a_no_op_for_the_objects(minimal_cr: dict[str, Any]) -> No
     run_sync(server, minimal_cr)
     snapshot = copy.deepcopy(server.objects)
     run_sync(server, minimal_cr)
-    assert server.objects == snapshot and len(snapshot) == 17
+    # The 17 applied children and the PD Secret, created once: the second pass keeps its key.
+    assert server.objects == snapshot and len(snapshot) == 18
 
 
 def test_invalid_spec_gives_degraded_and_permanent_error(minimal_cr: dict[str, Any]) -> None:

@@ -41,16 +41,17 @@ def run(t: Telemetry, handler: str, result: Any = None, raises: BaseException | 
     (SyncResult(degraded("InvalidSpec"), kopf.PermanentError("invalid spec")), "invalid", "invalid_spec"),
     (SyncResult(degraded("Forbidden"), kopf.PermanentError("refused")), "invalid", "forbidden"),
     (SyncResult(degraded("ApplyFailed"), kopf.PermanentError("422")), "error", "apply_failed"),
+    (SyncResult(degraded("PDSecretInvalid"), kopf.PermanentError("bad key")), "error", "pd_secret_invalid"),
     (SyncResult({}, kopf.TemporaryError("409")), "error", "temporary"),
     (SyncResult(degraded("SomethingNew"), kopf.PermanentError("?")), "error", "unexpected"),
-], ids=["ok", "invalid-spec", "forbidden", "apply-failed", "temporary", "unknown-reason"])
+], ids=["ok", "invalid-spec", "forbidden", "apply-failed", "pd-secret-invalid", "temporary", "unknown-reason"])
 def test_results_are_classified(result: SyncResult, expected: str, kind: str | None) -> None:
     t = Telemetry()
     run(t, "reconcile", result)
     assert value(t, "tandem_operator_reconcile_total", handler="reconcile", result=expected) == 1
     assert value(t, "tandem_operator_reconcile_duration_seconds_count", handler="reconcile") == 1
     errors = {k: value(t, "tandem_operator_errors_total", kind=k)
-              for k in ("invalid_spec", "forbidden", "apply_failed", "temporary", "unexpected")}
+              for k in ("invalid_spec", "forbidden", "apply_failed", "pd_secret_invalid", "temporary", "unexpected")}
     assert errors == {k: (1.0 if k == kind else 0.0) for k in errors}
 
 

@@ -1,7 +1,9 @@
-"""Admin routes answer only the pod itself (loopback) or the API key (tandem/server/security.py).
+"""Admin routes answer only the admin listener or the admin key (tandem/server/security.py,
+admin_listener.py); loopback on the main listener is not enough, nor is the API key.
 
 In process, without a model: the real worker app with a fake runtime behind it, and the
-router's route table on a bare app. The ASGI scope's `client` plays the TCP peer.
+router's route table on a bare app. The ASGI scope's `client` plays the TCP peer; the admin
+listener is the app behind AdminListener, as the second uvicorn server serves it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from starlette.testclient import TestClient
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.server import admin_routes, errors
+from tandem.server.admin_listener import AdminListener
 from tandem.server.app import build_app
 from tandem.server.config import ServerConfig
-from tandem.server.security import ADMIN_ROUTES, Guard, admin_refusal, is_loopback_peer
+from tandem.server.security import ADMIN_LISTENER, ADMIN_ROUTES, Guard, admin_refusal
 
 LOCAL = ("127.0.0.1", 40000)
 REMOTE = ("10.1.2.3", 40000)
 KEY = "s3cret"
+ADMIN_KEY = "adm1n"
 ADMIN_CALLS = [("POST", "/drain", None), ("POST", "/flush_cache", None), ("POST", "/abort_request", {"rid": "r1"})]
 OPEN_CALLS = ["/health", "/health/ready", "/metrics"]
 
@@ -46,14 +50,16 @@ class FakeFront:
         return []
 
 
-def worker(api_key: str | None, peer: tuple[str, int]) -> TestClient:
+def worker(api_key: str | None, peer: tuple[str, int] = REMOTE, admin_key: str | None = None,
+           admin_listener: bool = False) -> TestClient:
+    """The worker app on its main listener, or (admin_listener) as the admin listener serves it."""
     config = ServerConfig(role="colocated", model_path="/nowhere", served_model_name="m",
-                          engine=EngineConfig(), api_key=api_key)
+                          engine=EngineConfig(), api_key=api_key, admin_key=admin_key)
     app = build_app(config)
     # No lifespan (it would load a model): the runtime the routes read is set by hand.
     app.state.runtime = SimpleNamespace(config=config, front=FakeFront(), ready=True,
                                         metrics=SimpleNamespace(render=lambda pools: "up 1\n"))
-    return TestClient(app, client=peer)
+    return TestClient(AdminListener(app) if admin_listener else app, client=LOCAL if admin_listener else peer)
 
 
 def call(client: TestClient, method: str, path: str, body: Any, key: str | None = None) -> Any:
@@ -63,97 +69,105 @@ def call(client: TestClient, method: str, path: str, body: Any, key: str | None 
 
 @pytest.mark.parametrize("api_key", [None, KEY])
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
-def test_loopback_reaches_admin_routes_without_the_key(api_key, method, path, body) -> None:
-    r = call(worker(api_key, LOCAL), method, path, body)
+def test_the_admin_listener_reaches_admin_routes_without_a_key(api_key, method, path, body) -> None:
+    r = call(worker(api_key, admin_listener=True), method, path, body)
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("peer", [LOCAL, REMOTE])
 @pytest.mark.parametrize("api_key", [None, KEY])
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
-def test_remote_peer_is_refused_with_403(api_key, method, path, body) -> None:
-    r = call(worker(api_key, REMOTE), method, path, body)
+def test_the_main_listener_refuses_admin_routes_without_the_admin_key(peer, api_key, method, path, body) -> None:
+    """Loopback included: behind a mesh sidecar every caller is a loopback peer."""
+    r = call(worker(api_key, peer), method, path, body, key=api_key)  # the API key is not the admin key
     assert r.status_code == 403
     err = r.json()["error"]
     assert err["type"] == "permission_error" and err["code"] == "admin_only"
-    assert "127.0.0.1" in err["message"] and path in err["message"]
-    assert ("--api-key" in err["message"]) == (api_key is None)  # says how to get in
+    assert "127.0.0.1:8001" in err["message"] and path in err["message"] and "--admin-key" in err["message"]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
-def test_remote_peer_with_the_key_is_let_in(method, path, body) -> None:
-    assert call(worker(KEY, REMOTE), method, path, body, key=KEY).status_code == 200
+def test_the_admin_key_opens_admin_routes_on_the_main_listener(method, path, body) -> None:
+    client = worker(KEY, admin_key=ADMIN_KEY)
+    assert call(client, method, path, body, key=ADMIN_KEY).status_code == 200
+    assert call(client, method, path, body, key=KEY).status_code == 403  # the API key never does
 
 
-@pytest.mark.parametrize("api_key", [None, KEY])
-def test_remote_peer_with_a_wrong_key_is_refused(api_key) -> None:
-    client = worker(api_key, REMOTE)
-    for wrong in ("wrong", KEY + "x", ""):
+def test_wrong_admin_keys_are_refused() -> None:
+    client = worker(None, admin_key=ADMIN_KEY)
+    for wrong in ("wrong", ADMIN_KEY + "x", ""):
         assert call(client, "POST", "/drain", None, key=wrong).status_code == 403
-    assert client.post("/drain", headers={"Authorization": KEY}).status_code == 403  # no "Bearer "
+    assert client.post("/drain", headers={"Authorization": ADMIN_KEY}).status_code == 403  # no "Bearer "
+    assert client.post("/drain", headers={"X-Forwarded-For": "127.0.0.1"}).status_code == 403
 
 
-def test_forwarded_headers_never_make_a_peer_local() -> None:
-    remote, local = worker(KEY, REMOTE), worker(KEY, LOCAL)
-    for header in ("X-Forwarded-For", "X-Real-IP"):
-        assert remote.post("/drain", headers={header: "127.0.0.1"}).status_code == 403
-        # A loopback peer relaying for someone else (a sidecar proxy) is not the pod itself.
-        assert local.post("/drain", headers={header: "10.9.9.9"}).status_code == 403
-    assert local.post("/drain", headers={"Forwarded": "for=127.0.0.1"}).status_code == 403
-    assert local.post("/drain", headers={"X-Forwarded-For": "10.9.9.9",
-                                         "Authorization": f"Bearer {KEY}"}).status_code == 200
+def test_the_admin_key_must_differ_from_the_api_key() -> None:
+    with pytest.raises(ValueError, match="differ"):
+        ServerConfig(role="colocated", model_path="/m", served_model_name="m", engine=EngineConfig(),
+                     api_key=KEY, admin_key=KEY)
+    with pytest.raises(ValueError, match="differ"):
+        Guard(FastAPI(), api_key=KEY, max_bytes=1, admin_key=KEY)
 
 
 @pytest.mark.parametrize("api_key", [None, KEY])
 def test_probes_and_metrics_stay_open_to_remote_peers(api_key) -> None:
-    client = worker(api_key, REMOTE)
+    client, admin = worker(api_key, REMOTE), worker(api_key, admin_listener=True)
     for path in OPEN_CALLS:
         assert client.get(path).status_code == 200, path
+        assert admin.get(path).status_code == 200, path  # the admin listener answers the probes too
 
 
 def test_openai_and_info_routes_keep_the_api_key_rule() -> None:
-    client = worker(KEY, LOCAL)  # loopback does not waive the key outside the admin routes
+    client = worker(KEY, LOCAL)  # loopback does not waive the key
     assert client.get("/v1/models").status_code == 401
     assert client.get("/get_model_info").status_code == 401
     assert call(client, "POST", "/v1/completions", {"model": "m", "prompt": "x"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).status_code == 401
 
 
-@pytest.mark.parametrize(("host", "local"), [
-    ("127.0.0.1", True), ("::1", True), ("::ffff:127.0.0.1", True), ("::1%lo", True),
-    ("127.0.0.6", False),  # Istio's inbound passthrough source: remote traffic
-    ("10.0.0.1", False), ("::ffff:10.0.0.1", False), ("0.0.0.0", False), ("testclient", False), ("", False),
-])
-def test_loopback_peer(host, local) -> None:
-    assert is_loopback_peer({"client": (host, 1)}, {}) is local
-    assert is_loopback_peer({"client": None}, {}) is False and is_loopback_peer({}, {}) is False
+def test_the_admin_listener_serves_nothing_else() -> None:
+    admin = worker(KEY, admin_listener=True)
+    for method, path in (("GET", "/v1/models"), ("GET", "/get_model_info"), ("POST", "/v1/completions"),
+                         ("POST", "/generate"), ("GET", "/debug/pool")):
+        r = call(admin, method, path, {"model": "m", "prompt": "x"})
+        assert r.status_code == 404 and "admin listener" in r.json()["error"]["message"], path
 
 
 def test_refusal_explains_both_ways_in() -> None:
     scope = {"client": REMOTE, "method": "DELETE", "path": "/workers"}
-    assert "Authorization: Bearer <key>" in admin_refusal(scope, {}, b"Bearer k")
+    assert "Authorization: Bearer <key>" in admin_refusal(scope, {}, b"Bearer k", 9001)
+    assert "http://127.0.0.1:9001" in admin_refusal(scope, {}, b"Bearer k", 9001)
     assert admin_refusal(scope, {b"authorization": b"Bearer k"}, b"Bearer k") is None
-    assert admin_refusal({**scope, "client": LOCAL}, {}, None) is None
+    assert admin_refusal({**scope, "client": LOCAL}, {}, None) is not None  # loopback alone is not enough
+    assert admin_refusal({**scope, ADMIN_LISTENER: True}, {}, None) is None
 
 
 # ---- the router's admin routes, and no state-changing route left out of ADMIN_ROUTES -------------
-def router_app(peer: tuple[str, int], api_key: str | None = None) -> TestClient:
+def router_app(peer: tuple[str, int], api_key: str | None = None, admin_key: str | None = None,
+               admin_listener: bool = False) -> TestClient:
     from tandem.router import routes
 
     app = FastAPI()
     errors.install(app)
     app.include_router(routes.router)
     app.state.router = SimpleNamespace(draining=False, admission=SimpleNamespace(inflight=0),
-                                       workers=SimpleNamespace(remove=lambda url: None))
-    return TestClient(Guard(app, api_key=api_key, max_bytes=1 << 20), client=peer)
+                                       workers=SimpleNamespace(remove=lambda url: None, workers={}))
+    guarded = Guard(app, api_key=api_key, max_bytes=1 << 20, admin_key=admin_key)
+    return TestClient(AdminListener(guarded) if admin_listener else guarded, client=peer)
 
 
 def test_router_admin_routes_follow_the_same_rule() -> None:
-    local, remote = router_app(LOCAL), router_app(REMOTE, KEY)
-    assert local.post("/drain").json() == {"in_flight": 0}
-    assert local.delete("/workers", params={"url": "http://x"}).status_code == 404  # past the guard
-    assert remote.post("/drain").status_code == 403
-    assert remote.post("/workers", json={"url": "http://x"}).status_code == 403
-    assert remote.delete("/workers", params={"url": "http://x"}).status_code == 403
-    ok = remote.delete("/workers", params={"url": "http://x"}, headers={"Authorization": f"Bearer {KEY}"})
+    admin, remote = router_app(LOCAL, KEY, admin_listener=True), router_app(REMOTE, KEY, ADMIN_KEY)
+    assert admin.post("/drain").json() == {"in_flight": 0}
+    assert admin.delete("/workers", params={"url": "http://x"}).status_code == 404  # past the guard
+    assert admin.get("/workers").status_code == 200
+    assert router_app(LOCAL).post("/drain").status_code == 403  # loopback on the main listener
+    for key in (None, KEY):
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        assert remote.post("/drain", headers=auth).status_code == 403
+        assert remote.post("/workers", json={"url": "http://x:1"}, headers=auth).status_code == 403
+        assert remote.delete("/workers", params={"url": "http://x"}, headers=auth).status_code == 403
+    ok = remote.delete("/workers", params={"url": "http://x"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert ok.status_code == 404
     assert router_app(REMOTE).get("/health").status_code == 200
 

@@ -11,6 +11,7 @@ import random
 import signal
 import time
 
+import httpx
 import pytest
 from pd_client import pd_generate, pd_post, pd_stats
 from worker_process import Worker, free_port
@@ -20,13 +21,14 @@ pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
 FAST = ("--pd-heartbeat-interval", "0.5", "--pd-heartbeat-timeout", "3", "--pd-bootstrap-timeout", "4",
         "--pd-transfer-timeout", "8", "--max-total-tokens", "4096")
 SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+DEAD = free_port()  # a configured prefill peer nobody listens on: its handshake never answers
 
 
 @pytest.fixture(scope="module")
 def pair(model_path):
     model = model_path("tiny")
     pre = Worker.prefill(model, *FAST)
-    dec = Worker.decode(model, *FAST, peers=[pre])
+    dec = Worker.decode(model, *FAST, peers=[pre, f"127.0.0.1:{DEAD}"])
     try:
         pre.wait_ready()
         dec.wait_ready()
@@ -60,9 +62,24 @@ def _wait(cond, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def _wait_up(w: Worker) -> None:
+    """Up (its scheduler answers) though never ready: no handshake holds."""
+
+    def up() -> bool:
+        try:
+            return "no prefill peer" in w.get("/health/ready").text
+        except httpx.HTTPError:
+            assert w.proc.poll() is None, w.output()
+            return False
+
+    _wait(up, timeout=180)
+
+
 def test_handshake_mismatch_fails_fast_in_both_logs(pair, model_path) -> None:
     pre, _ = pair
-    with Worker.decode(model_path("tiny"), *FAST, "--page-size", "16") as bad:
+    bad = Worker.decode(model_path("tiny"), *FAST, "--page-size", "16", peers=[pre])
+    try:
+        _wait_up(bad)
         t0 = time.monotonic()
         p, d = pd_post(pre, bad, "/generate", {"text": "mismatch", "sampling_params": SP})
         assert d.status_code == 503 and "page_size" in d.json()["error"]["message"], d.text
@@ -70,18 +87,20 @@ def test_handshake_mismatch_fails_fast_in_both_logs(pair, model_path) -> None:
         assert time.monotonic() - t0 < 10
         assert _raw_pd(bad)["handshake_failures"] >= 1 and _raw_pd(pre)["handshake_failures"] >= 1
         assert "handshake refused" in bad.output() and "handshake refused" in pre.output()
+        assert "16" not in d.json()["error"]["message"]  # prefill names the field, never its own values
         _whole(bad)
+    finally:
+        bad.stop()
     _whole(pre)
 
 
 def test_abort_and_timeout_while_bootstrapping(pair) -> None:
     _, dec = pair
-    dead = free_port()  # nobody listens: the handshake never answers
     body = {"text": "nobody home", "sampling_params": SP, "rid": "boot-abort",
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": dead, "bootstrap_room": 11}
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": DEAD, "bootstrap_room": 11}
     fut = _in_thread(dec.post, "/generate", body)
     _wait(lambda: _raw_pd(dec)["rooms"] == 1)
-    assert dec.post("/abort_request", {"rid": "boot-abort"}).json()["aborted"]
+    assert dec.admin("POST", "/abort_request", {"rid": "boot-abort"}).json()["aborted"]
     assert fut.result(10).json()["meta_info"]["finish_reason"]["type"] == "abort"
     t0 = time.monotonic()
     r = dec.post("/generate", {**body, "rid": "boot-timeout", "bootstrap_room": 12})
@@ -96,10 +115,10 @@ def test_abort_and_timeout_while_prefill_waits_for_pages(pair) -> None:
             "bootstrap_host": "127.0.0.1", "bootstrap_port": pre.bootstrap, "bootstrap_room": 21}
     fut = _in_thread(pre.post, "/generate", body)
     _wait(lambda: _raw_pd(pre)["rooms"] == 1)
-    assert pre.post("/abort_request", {"rid": "wait-abort"}).json()["aborted"]
+    assert pre.admin("POST", "/abort_request", {"rid": "wait-abort"}).json()["aborted"]
     assert fut.result(10).json()["meta_info"]["finish_reason"]["type"] == "abort"
     r = pre.post("/generate", {**body, "rid": "wait-timeout", "bootstrap_room": 22})
-    assert r.status_code == 503 and "no decode claimed" in r.json()["error"]["message"], r.text
+    assert r.status_code == 408 and "no decode claimed" in r.json()["error"]["message"], r.text
     _whole(pre)
 
 
@@ -110,7 +129,7 @@ def test_abort_while_transferring_frees_pages_on_both_sides(pair) -> None:
             "bootstrap_host": "127.0.0.1", "bootstrap_port": pre.bootstrap, "bootstrap_room": room}
     fut = _in_thread(dec.post, "/generate", body)  # decode reserves pages; prefill has no request yet
     _wait(lambda: _raw_pd(dec)["rooms"] == 1 and _raw_pd(dec)["queued"] == 0)
-    assert dec.post("/abort_request", {"rid": "xfer-abort"}).json()["aborted"]
+    assert dec.admin("POST", "/abort_request", {"rid": "xfer-abort"}).json()["aborted"]
     assert fut.result(10).json()["meta_info"]["finish_reason"]["type"] == "abort"
     _wait(lambda: _raw_pd(dec)["rooms"] == 0)  # prefill confirmed: nothing will be written
     late = pre.post("/generate", body).json()  # the request reaches prefill after the cancel
@@ -124,7 +143,7 @@ def test_abort_while_decoding(pair) -> None:
             "rid": "dec-abort"}
     fut = _in_thread(pd_post, pre, dec, "/generate", body)
     _wait(lambda: dec.get("/debug/pool").json()["ranks"][0]["num_running"] == 1)
-    assert dec.post("/abort_request", {"rid": "dec-abort"}).json()["aborted"]
+    assert dec.admin("POST", "/abort_request", {"rid": "dec-abort"}).json()["aborted"]
     p, d = fut.result(30)
     assert d.json()["meta_info"]["finish_reason"]["type"] == "abort" and p.status_code == 200
     _whole(pre, dec)

@@ -18,6 +18,11 @@ import httpx
 
 from tandem import worker_contract as contract
 from tandem.local.plan import free_port
+from tandem.protocol.pd_secret import new_pd_secret
+
+# Every worker a test starts shares one PD secret (the control channel runs CURVE, as in a
+# cluster); env={ENV_PD_SECRET: ""} starts one without.
+PD_SECRET = new_pd_secret()
 
 
 def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, str]:
@@ -47,14 +52,16 @@ class Worker:
                  api_key: str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{free_port()}"  # its admin listener (drain, flush, abort, /workers)
         self.api_key = api_key
         self.bootstrap: int | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port),
+               "--admin-port", self.admin_url.rsplit(":", 1)[1]]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
         # Its own session: a benchmark can freeze the whole worker (front and schedulers) with killpg.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **key_env, **(env or {})})
+                                     env={**os.environ, contract.ENV_PD_SECRET: PD_SECRET, **key_env, **(env or {})})
 
     @classmethod
     def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
@@ -73,10 +80,11 @@ class Worker:
         return w
 
     @classmethod
-    def decode(cls, model: Path, *flags: str, peers: Sequence[Worker] = (), name: str = "tiny",
+    def decode(cls, model: Path, *flags: str, peers: Sequence[Worker | str] = (), name: str = "tiny",
                **kw: object) -> Worker:
-        """A decode worker, handshaking with `peers` (prefill workers) at start."""
-        peer_flags = ("--pd-prefill-peers", ",".join(f"127.0.0.1:{p.bootstrap}" for p in peers)) if peers else ()
+        """A decode worker, handshaking with `peers` (prefill workers, or "host:port") at start."""
+        keys = [p if isinstance(p, str) else f"127.0.0.1:{p.bootstrap}" for p in peers]
+        peer_flags = ("--pd-prefill-peers", ",".join(keys)) if keys else ()
         args = contract.WorkerArgs(role=contract.DECODE, model=str(model), served_model_name=name, config=None,
                                    extra=("--dtype", "float32", *peer_flags, *flags))
         return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
@@ -114,6 +122,10 @@ class Worker:
 
     def post(self, path: str, json: object = None, **kw: object) -> httpx.Response:
         return httpx.post(self.url + path, json=json, headers=self.headers(), timeout=120, **kw)  # type: ignore[arg-type]
+
+    def admin(self, method: str, path: str, json: object = None, **kw: object) -> httpx.Response:
+        """An admin route, on the admin listener (no key needed there)."""
+        return httpx.request(method, self.admin_url + path, json=json, timeout=120, **kw)  # type: ignore[arg-type]
 
     def pool(self) -> dict:
         """The pools' integrity, from outside: waits (bounded) until every rank is idle."""

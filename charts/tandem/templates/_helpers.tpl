@@ -43,8 +43,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{/*
 Namespaced rules: exactly what the operator's code uses (tests/operator/test_operator_rbac.py
 holds the table). Its own client (operator/kubeapi.py) does server-side apply (a PATCH that
-creates: create + patch), merge patches, get, list and delete; kopf lists, watches and patches
-InferenceServices and posts events. Nothing is updated (PUT) and children are never watched.
+creates: create + patch), a plain create (the PD Secret), merge patches, get, list and delete;
+kopf lists, watches and patches InferenceServices and posts events. Nothing is updated (PUT)
+and children are never watched.
 */}}
 {{- define "tandem.namespacedRules" -}}
 # kopf: the watch stream, finalizer and progress annotations, and the status subresource.
@@ -77,11 +78,18 @@ InferenceServices and posts events. Nothing is updated (PUT) and children are ne
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "create", "patch", "delete"]
-# Pods: listed for metrics scraping, patched for the pod-deletion-cost annotation; get/list/watch
-# are also held because the router's Role grants them, and RBAC forbids granting what one lacks.
+# Pods: listed for metrics scraping, patched for the pod-deletion-cost annotation (and for nothing
+# else: templates/admission-policy.yaml); get/list/watch are also held because the router's Role
+# grants them, and RBAC forbids granting what one lacks.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "patch"]
+# Secrets: the PD control key, one per InferenceService, created once and read back to check it
+# (operator/pd_secret.py); never listed, watched, patched or deleted (the garbage collector
+# removes it with its InferenceService). The API key Secret is the pods' to read, not the operator's.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 # HPAs: read only, to notice one that targets a role and would fight the built-in autoscaler.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]

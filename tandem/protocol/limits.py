@@ -1,0 +1,30 @@
+"""The most one request may ask for: every number, list and string a client sends has a bound
+here, checked where it enters (the HTTP bodies in openai_api.py, SamplingParams in the engine).
+
+Without them one hostile body took a worker down: a `top_k` of 2**63 overflowed the int64
+tensor the sampler builds, and the exception ended the scheduler loop. Sizes are also bounded
+before any work: a million stop strings or chat messages would cost the front seconds of CPU
+before a single check against the model's limits.
+"""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+MAX_TOP_K = 2**20  # above any vocabulary; the engine treats top_k >= vocab as the whole vocabulary
+MAX_NEW_TOKENS = INT32_MAX  # the context length refuses far less; this only keeps the number an int32
+MAX_SEED = INT64_MAX  # the sampler holds seeds in an int64 tensor
+MAX_TOKEN_ID = INT32_MAX  # ids beyond the vocabulary are refused later, with the vocabulary's size
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_N = 64  # choices per request
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: each one is searched for in the text at every token
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (logit_bias is refused, but only after the body is parsed)
+MAX_MESSAGES = 4096  # chat messages per request
+MAX_PROMPTS = 4096  # prompts in one batched request
+# Prompt text per request, before tokenizing: ~1M tokens, more than any model's context, and
+# half the default --max-request-bytes, so it binds only when that limit is raised.
+MAX_PROMPT_CHARS = 4 * 2**20
+MAX_ID_CHARS = 256  # request ids (`rid`), user names

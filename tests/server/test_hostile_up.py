@@ -1,0 +1,130 @@
+"""The hostile-client suite through `tandem up`: every attack the hardening work found, sent at
+the router and straight at the workers, gets a 4xx (or is ignored), no 5xx anywhere; then a
+normal request answers, no process died or restarted, and every KV pool is whole."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import zmq
+
+pytest.importorskip("openai")
+from up_stack import Stack, _pools_whole  # noqa: E402
+
+from tandem.local.plan import PROGRAM  # noqa: E402
+from tandem.worker_contract import parse_worker_argv  # noqa: E402
+
+SP = {"max_new_tokens": 4, "temperature": 0}
+CMPL = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+# (path, body): JSON bodies, each a known way a request once killed or poisoned a worker.
+JSON_ATTACKS = [
+    ("/v1/completions", {**CMPL, "top_k": 2**63}),
+    ("/v1/chat/completions", {**CHAT, "top_k": 10**26}),
+    ("/generate", {"text": "x", "sampling_params": {**SP, "top_k": 2**63}}),
+    ("/v1/completions", {**CMPL, "seed": 2**80}),
+    ("/v1/completions", {**CMPL, "max_tokens": 10**30}),
+    ("/v1/completions", {**CMPL, "stop_token_ids": list(range(200_000))}),
+    ("/v1/completions", {**CMPL, "stop": ["x" * 100_000]}),
+    ("/v1/completions", {**CMPL, "logit_bias": {str(i): 1.0 for i in range(5000)}}),
+    ("/v1/completions", {**CMPL, "prompt": [10**12]}),
+    ("/v1/completions", {**CMPL, "n": 10**6}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 10_000}),
+    ("/generate", {"text": "x", "sampling_params": SP, "bootstrap_host": "*", "bootstrap_port": 1,
+                   "bootstrap_room": 7}),
+    ("/generate", {"text": "x", "sampling_params": SP, "bootstrap_host": "10.255.255.1", "bootstrap_port": 8998,
+                   "bootstrap_room": 8}),
+    ("/generate", {"text": "x", "sampling_params": SP, "rid": "shared-rid"}),
+]
+# Raw bodies that are not what JSON promises.
+RAW_ATTACKS = [
+    b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"model": "tiny", "prompt": "a", "temperature": NaN}',
+    b"\xff\xfe not utf-8",
+    b'{"model": "tiny", "prompt": "a", "max_tokens": 1e999}',
+]
+
+
+def _send_all(url: str, statuses: list[tuple[str, int]]) -> None:
+    def one(attack: tuple[str, dict]) -> tuple[str, int]:
+        path, body = attack
+        r = httpx.post(url + path, json=body, timeout=120)
+        # Bootstrap fields and rids are stripped by the router: ignored there, so a 200 is right.
+        ignored = "bootstrap_host" in body or "rid" in body
+        return f"{url}{path} {'(may be ignored) ' if ignored else ''}{json.dumps(body)[:80]} -> {r.text[:200]}", \
+            r.status_code
+
+    # At once: a prefill holds a bootstrap request until its wait for a decode runs out (408).
+    with ThreadPoolExecutor(4) as pool:
+        statuses += pool.map(one, JSON_ATTACKS)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            for raw in RAW_ATTACKS:
+                r = c.post(path, content=raw, headers={"content-type": "application/json"})
+                statuses.append((f"{url}{path} {raw[:40]!r}", r.status_code))
+        # Admin routes on a serving port, without the admin key: refused.
+        for method, path, body in (("POST", "/drain", None), ("POST", "/flush_cache", None),
+                                   ("POST", "/workers", {"url": "http://127.0.0.1:1/x?steal=1"}),
+                                   ("DELETE", "/workers", {"url": "http://127.0.0.1:1"})):
+            r = c.request(method, path, json=body)
+            statuses.append((f"{url} {method} {path}", r.status_code))
+
+
+def _garbage_to_bootstrap(port: int) -> None:
+    """Frames no decode would send, at the prefill's PD control port."""
+    ctx = zmq.Context()
+    try:
+        for frames in ([b"x"], [b"", b"", b""], [b"[]"], [b"1"], [b"[" * 200_000], [b"\xff" * 64]):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, b"\x00\xff\xfe\x01")
+            s.connect(f"tcp://127.0.0.1:{port}")
+            s.send_multipart(frames)
+            time.sleep(0.05)
+            s.close()
+        raw = socket.create_connection(("127.0.0.1", port))  # not even ZMQ
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 4096)
+        raw.close()
+    finally:
+        ctx.term()
+
+
+def test_every_attack_is_a_4xx_and_the_stack_serves_on(model_path) -> None:
+    stack = Stack(model_path("tiny")).wait_up()
+    try:
+        state = stack.state()
+        pids = {name: info["pid"] for name, info in state.items()}
+        statuses: list[tuple[str, int]] = []
+        _send_all(stack.url, statuses)  # through the router
+        for name in ("prefill-0", "decode-0"):  # and straight at each worker
+            _send_all(state[name]["url"], statuses)
+        prefill_argv = state["prefill-0"]["argv"]
+        _garbage_to_bootstrap(parse_worker_argv(prefill_argv[len(PROGRAM) + 1:]).bootstrap_port)
+
+        server_errors = [(what, code) for what, code in statuses if code >= 500]
+        assert not server_errors, server_errors
+        refused = [(what, code) for what, code in statuses if "(may be ignored)" not in what and code < 400]
+        assert not refused, refused
+        # Then a normal PD request (past the local-prefill threshold) and a stream answer.
+        client = stack.client()
+        done = client.completions.create(model="tiny", prompt="a normal request " * 12, max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()  # nothing restarted
+        assert "restarting" not in stack.output()
+        for info in stack.state().values():
+            assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
+        _pools_whole(stack)
+    finally:
+        stack.stop()
+    stack.assert_gone()

@@ -1,0 +1,180 @@
+"""One hostile request must never take the scheduler down (issue 24).
+
+Hostile values are refused alone, before any batch (request_validation.py); a fault injected
+into a batch (building it, its forward, processing its results) fails that batch's requests
+alone, in both loops, and the requests after it get the tokens a clean run gives
+(batch_faults.py); a fault that leaves the device or pools unknown still ends the scheduler.
+Every scenario ends with the pool whole (flush_cache runs the integrity check)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tandem import Engine
+
+BAD_SEED = 4242  # the marker of the request whose batches fail
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = {"good": [5, 6, 7, 8, 9], "bad": [11, 12, 13], "later": [20, 21, 22, 23]}
+
+
+def _engine(model_path: Any, overlap: bool) -> Engine:
+    return Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
+                  disable_overlap_schedule=not overlap)
+
+
+def _run(eng: Engine, pending: list[tuple[str, Any, list[int]]]) -> list[tuple[list[int], Any]]:
+    """Each submitted request's tokens and last output."""
+    results = []
+    for rid, q, _ in pending:
+        tokens, last = [], None
+        while last is None or not last.finished:
+            last = eng._get(q, timeout=60)
+            tokens += last.token_ids
+        eng._close(rid)
+        results.append((tokens, last))
+    return results
+
+
+def _submit_together(eng: Engine, jobs: list[tuple[list[int], dict]]) -> list[tuple[list[int], Any]]:
+    """Submit `jobs` while the loop waits at a gate, so that it receives them in one go: the
+    first max_running_requests of them share a batch."""
+    sched = eng._backend.scheduler
+    plain, gate = sched.recv_requests, threading.Event()
+    sched.recv_requests = lambda block: (gate.wait(), plain(block))[1]
+    time.sleep(0.2)  # past the loop's current receive: it now waits at the gate
+    pending = [eng._submit(ids, sp) for ids, sp in jobs]
+    gate.set()
+    del sched.recv_requests
+    return _run(eng, pending)
+
+
+def _pool_whole(eng: Engine) -> None:
+    assert eng._backend.error is None
+    assert all(r.ok for r in eng.flush_cache())
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["normal", "overlap"])
+def engine(request, model_path):
+    eng = _engine(model_path, request.param)
+    refs = {name: eng.generate(ids, GREEDY)[0]["token_ids"] for name, ids in PROMPTS.items()}
+    yield eng, refs
+    eng.shutdown()
+
+
+def _inject(sched: Any, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every batch holding the BAD_SEED request fail at `stage` (after a few tokens for
+    the later stages, so that the failure lands mid-stream)."""
+    bad = lambda params: any(p.seed == BAD_SEED for p in params)  # noqa: E731
+    if stage in ("prefill", "decode"):
+        forward = sched.worker.forward_batch_generation
+        seen = [0]
+
+        def failing_forward(mwb, *args, **kw):  # on the forward thread under overlap
+            if bad(mwb.sampling_params):
+                seen[0] += 1
+                if stage == "prefill" or seen[0] >= 4:
+                    raise ValueError("injected forward fault")
+            return forward(mwb, *args, **kw)
+
+        monkeypatch.setattr(sched.worker, "forward_batch_generation", failing_forward)
+    elif stage == "build":
+        alloc = sched.cache.alloc_decode
+
+        def failing_alloc(reqs):
+            if bad([r.sampling_params for r in reqs]) and min(len(r.output_ids) for r in reqs) >= 3:
+                raise ValueError("injected build fault")
+            return alloc(reqs)
+
+        monkeypatch.setattr(sched.cache, "alloc_decode", failing_alloc)
+    else:
+        check = sched.output.check_finished
+
+        def failing_check(req, token):
+            if req.sampling_params.seed == BAD_SEED and len(req.output_ids) >= 3:
+                raise ValueError("injected process fault")
+            return check(req, token)
+
+        monkeypatch.setattr(sched.output, "check_finished", failing_check)
+
+
+@pytest.mark.parametrize("stage", ["prefill", "decode", "build", "process"])
+def test_a_failing_batch_fails_alone(engine, stage: str, monkeypatch) -> None:
+    eng, refs = engine
+    _inject(eng._backend.scheduler, stage, monkeypatch)
+    bad = {**GREEDY, "seed": BAD_SEED}
+    # good and bad share every batch (max_running_requests=2); later waits for a slot.
+    (good_ids, good), (bad_ids, bad_out), (later_ids, later) = _submit_together(
+        eng, [(PROMPTS["good"], GREEDY), (PROMPTS["bad"], bad), (PROMPTS["later"], GREEDY)])
+    for ids, out, name in ((good_ids, good, "good"), (bad_ids, bad_out, "bad")):
+        assert out.finish_reason["kind"] == "abort" and "injected" in out.finish_reason["message"], out
+        assert out.finish_reason["status"] == 500
+        assert ids == refs[name][: len(ids)], "the tokens sent before the fault are the clean run's"
+        assert (len(ids) > 0) == (stage != "prefill"), "the fault lands mid-stream past the prefill"
+    assert later_ids == refs["later"] and later.finish_reason["kind"] == "length"
+    again = eng.generate([PROMPTS["good"], PROMPTS["later"]], GREEDY)
+    assert [r["token_ids"] for r in again] == [refs["good"], refs["later"]]
+    assert eng._backend.scheduler.faults.failed_batches >= 1
+    _pool_whole(eng)
+
+
+HOSTILE = [
+    {"top_k": 2**63}, {"top_k": 10**26}, {"top_k": "5"}, {"seed": 2**63}, {"seed": -1},
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"top_p": float("nan")},
+    {"min_p": float("nan")}, {"max_new_tokens": 2**31}, {"max_new_tokens": 10**26},
+    {"stop_token_ids": [2**31]}, {"stop_token_ids": list(range(2000))}, {"stop": [""]},
+    {"stop": ["x"] * 17}, {"stop": "x" * 2000}, {"top_logprobs_num": 10**6}, {"ignore_eos": "yes"},
+]
+
+
+def test_hostile_values_are_refused_alone(engine) -> None:
+    """Before the fix, top_k=2**63 overflowed the sampler's int64 tensor inside the forward and
+    the exception ended the scheduler loop."""
+    eng, refs = engine
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    jobs = [(PROMPTS["good"], {**sampled, **bad}) for bad in HOSTILE]
+    jobs += [([1.5, 2], GREEDY), ([10**26], GREEDY), (["a"], GREEDY), ([-1], GREEDY)]
+    results = eng.generate([ids for ids, _ in jobs], [sp for _, sp in jobs])
+    for (ids, sp), r in zip(jobs, results):
+        assert r["finish_reason"] == "abort" and r["token_ids"] == [], (sp, ids, r)
+    # top_k past the vocabulary (up to int64) is the whole vocabulary, not an error.
+    whole = eng.generate(PROMPTS["good"], sampled)[0]["token_ids"]
+    for top_k in (2**63 - 1, 10**9):
+        assert eng.generate(PROMPTS["good"], {**sampled, "top_k": top_k})[0]["token_ids"] == whole
+    assert eng.generate(PROMPTS["good"], GREEDY)[0]["token_ids"] == refs["good"]
+    _pool_whole(eng)
+
+
+def test_a_fatal_fault_still_ends_the_scheduler(model_path, monkeypatch) -> None:
+    """An assertion (a broken invariant: the pools may be inconsistent) is not contained."""
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    eng = _engine(model_path, overlap=False)
+    try:
+        sched = eng._backend.scheduler
+        forward = sched.worker.forward_batch_generation
+
+        def broken(mwb, *args, **kw):
+            if any(p.seed == BAD_SEED for p in mwb.sampling_params):
+                raise AssertionError("injected broken invariant")
+            return forward(mwb, *args, **kw)
+
+        monkeypatch.setattr(sched.worker, "forward_batch_generation", broken)
+        with pytest.raises(RuntimeError, match="injected broken invariant"):
+            eng.generate(PROMPTS["bad"], {**GREEDY, "seed": BAD_SEED})
+    finally:
+        eng.shutdown()
+
+
+def test_which_faults_are_contained() -> None:
+    import torch
+
+    from tandem.engine.kvcache.cache_manager import OutOfKV
+    from tandem.engine.scheduler.batch_faults import is_fatal
+
+    contained = [ValueError("x"), TypeError("x"), IndexError("x"), RuntimeError("Overflow when unpacking long long")]
+    fatal = [AssertionError("pool"), MemoryError(), OutOfKV("budget"), torch.OutOfMemoryError("oom"),
+             RuntimeError("CUDA error: an illegal memory access was encountered"), KeyboardInterrupt()]
+    assert not any(is_fatal(e) for e in contained) and all(is_fatal(e) for e in fatal)
