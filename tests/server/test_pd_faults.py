@@ -83,7 +83,7 @@ def test_handshake_mismatch_fails_fast_in_both_logs(pair, model_path) -> None:
         t0 = time.monotonic()
         p, d = pd_post(pre, bad, "/generate", {"text": "mismatch", "sampling_params": SP})
         assert d.status_code == 503 and "page_size" in d.json()["error"]["message"], d.text
-        assert p.status_code == 503  # prefill's side ends at its bootstrap timeout, not later
+        assert p.status_code == 408  # prefill's side ends at its bootstrap timeout (no decode claimed it), not later
         assert time.monotonic() - t0 < 10
         assert _raw_pd(bad)["handshake_failures"] >= 1 and _raw_pd(pre)["handshake_failures"] >= 1
         assert "handshake refused" in bad.output() and "handshake refused" in pre.output()
