@@ -102,6 +102,8 @@ class Front:
             if stream is not None:  # else: closed already (aborted by its client)
                 self.observe(stream, o)
                 stream.queue.put_nowait(o)
+                if o.finished:  # its admission slot and rid are free now, read or not: a client that
+                    self._forget(stream)  # stops reading holds its connection, never capacity
 
     async def _watch(self) -> None:
         """A dead scheduler fails every waiting request instead of leaving it hanging."""
