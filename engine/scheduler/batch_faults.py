@@ -67,16 +67,18 @@ def traced(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kw: Any) -> T:
-        # Taken before the method changes the membership.
-        reqs = list(self.reqs) + [r for a in args if isinstance(getattr(a, "reqs", None), list) for r in a.reqs]
+        # The membership before the call, by reference: ScheduleBatch replaces its `reqs` list and
+        # never edits it in place, so nothing is copied on the hot path; lists are joined on failure only.
+        before = [self.reqs, *(a.reqs for a in args if isinstance(getattr(a, "reqs", None), list))]
         try:
             return method(self, *args, **kw)
         except BatchFailed as exc:
+            reqs = [r for group in before for r in group]
             raise BatchFailed(reqs + [r for r in exc.reqs if r not in reqs], exc.cause) from exc.cause
         except Exception as exc:
             if is_fatal(exc):
                 raise
-            raise BatchFailed(reqs, exc) from exc
+            raise BatchFailed([r for group in before for r in group], exc) from exc
 
     return wrapper
 
