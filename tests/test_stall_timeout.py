@@ -4,9 +4,11 @@ go (its stream generator is closed), so the work behind the stream can be aborte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -36,8 +38,9 @@ def _app(closed: threading.Event):
     return Starlette(routes=[Route("/stream", stream)])
 
 
-def test_a_client_that_stops_reading_is_cut_off() -> None:
-    closed = threading.Event()
+@contextlib.contextmanager
+def _serving(closed: threading.Event) -> Iterator[int]:
+    """The endless-stream app under uvicorn with a 1 s stall timeout; yields its port."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(_app(closed), host="127.0.0.1", port=port, log_level="error",
                                            http=http_protocol(stall_timeout=1.0)))
@@ -47,6 +50,15 @@ def test_a_client_that_stops_reading_is_cut_off() -> None:
         deadline = time.monotonic() + 20
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_client_that_stops_reading_is_cut_off() -> None:
+    closed = threading.Event()
+    with _serving(closed) as port:
         before = StallTimer.cut
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -54,22 +66,11 @@ def test_a_client_that_stops_reading_is_cut_off() -> None:
         assert closed.wait(30), "the stalled stream was never closed"
         assert StallTimer.cut == before + 1
         sock.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_a_slow_but_reading_client_is_not_cut_off() -> None:
     closed = threading.Event()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(_app(closed), host="127.0.0.1", port=port, log_level="error",
-                                           http=http_protocol(stall_timeout=1.0)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with _serving(closed) as port:
         before = StallTimer.cut
         sock = socket.create_connection(("127.0.0.1", port))
         sock.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -79,6 +80,3 @@ def test_a_slow_but_reading_client_is_not_cut_off() -> None:
             time.sleep(0.2)
         assert StallTimer.cut == before and not closed.is_set()
         sock.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
