@@ -9,17 +9,16 @@ import asyncio
 import contextlib
 import importlib.util
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from router_fakes import serving
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
 from tandem.metric_names import (  # noqa: E402
     ROUTER_CAPACITY_TIMEOUTS_TOTAL,
@@ -55,25 +54,6 @@ class Counted:
 
 
 @contextlib.asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()  # it failed to start: raise why
-            await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
-
-
-@contextlib.asynccontextmanager
 async def stack(n_workers: int = 0, **cfg: Any) -> AsyncIterator[tuple[str, list[tuple[Counted, str]]]]:
     """`n_workers` fake workers (not registered with the router) and a router configured by `cfg`,
     where a worker's url may be given as its index in the list (`prefill=((0, 1),)`)."""
@@ -81,7 +61,7 @@ async def stack(n_workers: int = 0, **cfg: Any) -> AsyncIterator[tuple[str, list
         workers = []
         for _ in range(n_workers):
             w = Counted()
-            workers.append((w, await stack.enter_async_context(serving(w))))
+            workers.append((w, await stack.enter_async_context(serving(w, lifespan="on"))))
         url = lambda i: workers[i][1]  # noqa: E731
         if "prefill" in cfg:
             cfg["prefill"] = tuple((url(i), port) for i, port in cfg["prefill"])
@@ -89,7 +69,7 @@ async def stack(n_workers: int = 0, **cfg: Any) -> AsyncIterator[tuple[str, list
             if key in cfg:
                 cfg[key] = tuple(url(i) for i in cfg[key])
         config = RouterConfig(model_name="tiny", health_interval=0.1, admin_key="admin-key", **cfg)
-        yield await stack.enter_async_context(serving(build_app(config))), workers
+        yield await stack.enter_async_context(serving(build_app(config), lifespan="on")), workers
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
