@@ -38,6 +38,7 @@ import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import enums
+from operator_support import merge_patch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.local.plan import free_port  # noqa: F401  (the tests import it from here)
@@ -61,18 +62,6 @@ def selected(selector: str | None, obj: dict[str, Any]) -> bool:
         if (labels.get(key) == value) != (op != "!="):
             return False
     return True
-
-
-def _merge(base: Any, patch: Any) -> Any:
-    if not isinstance(base, dict) or not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _merge(out.get(key), value)
-    return out
 
 
 @attrs.define(kw_only=True)
@@ -107,7 +96,7 @@ class StampingEmulator(kmock.KubernetesEmulator):
                 old = self._live(key) or {}
                 old_meta = old.get("metadata") or {}
                 bumped = request.subresource is None and "spec" in data and \
-                    _merge(old.get("spec"), data["spec"]) != old.get("spec")
+                    merge_patch(old.get("spec"), data["spec"]) != old.get("spec")
                 meta.pop("uid", None)  # identity never changes through a patch
                 meta["resourceVersion"] = self._next_rv()
                 meta["generation"] = int(old_meta.get("generation") or 1) + (1 if bumped else 0)

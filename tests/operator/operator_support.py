@@ -74,3 +74,16 @@ def render_chart(chart: Any, values: dict[str, Any] | None = None) -> list[dict[
     files = chart.render(values, name="tandem", namespace="tandem-system")
     return [d for path, text in sorted(files.items()) if path.endswith(".yaml")
             for d in yaml.safe_load_all(text) if d]
+
+
+def merge_patch(base: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386), as the API server applies the operator's merge_patch."""
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out

@@ -5,11 +5,10 @@ are validated against the Kubernetes schemas in test_operator_chart.py."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
-from operator_support import KUBE_VERSIONS, kube_validate
+from operator_support import KUBE_VERSIONS, kube_validate, merge_patch
 from operator_support import render_chart as render
 
 from tandem.operator.deletion_cost import ANNOTATION
@@ -25,19 +24,6 @@ POD: dict[str, Any] = {
                  "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs", "uid": "u"}]},
     "spec": {"containers": [{"name": "decode", "image": "ghcr.io/tandem-serving/tandem-runtime:0.1.0"}]},
 }
-
-
-def _merge(base: Any, patch: Any) -> Any:
-    """A JSON merge patch (RFC 7386), as the API server applies the operator's merge_patch."""
-    if not isinstance(base, dict) or not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _merge(out.get(key), value)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +63,13 @@ def test_policy_matches_pod_updates_by_the_operator_only(policy: dict[str, Any])
 
 def test_the_operators_own_patch_passes(policy: dict[str, Any]) -> None:
     # deletion_cost.mark() sends exactly this merge patch.
-    for old in (POD, _merge(POD, {"metadata": {"annotations": {ANNOTATION: "300"}}}),
-                _merge(POD, {"metadata": {"annotations": None}})):
-        new = _merge(old, {"metadata": {"annotations": {ANNOTATION: "0"}}})
+    for old in (POD, merge_patch(POD, {"metadata": {"annotations": {ANNOTATION: "300"}}}),
+                merge_patch(POD, {"metadata": {"annotations": None}})):
+        new = merge_patch(old, {"metadata": {"annotations": {ANNOTATION: "0"}}})
         assert denied(policy, old, new) == []
     # Removing the annotation again is the same one field.
-    marked = _merge(POD, {"metadata": {"annotations": {ANNOTATION: "5"}}})
-    assert denied(policy, marked, _merge(marked, {"metadata": {"annotations": {ANNOTATION: None}}})) == []
+    marked = merge_patch(POD, {"metadata": {"annotations": {ANNOTATION: "5"}}})
+    assert denied(policy, marked, merge_patch(marked, {"metadata": {"annotations": {ANNOTATION: None}}})) == []
 
 
 @pytest.mark.parametrize("patch, says", [
@@ -99,7 +85,7 @@ def test_the_operators_own_patch_passes(policy: dict[str, Any]) -> None:
 ], ids=["image", "deadline", "label", "labels-removed", "finalizer", "owner-removed", "annotation-changed",
         "annotation-removed", "annotation-added"])
 def test_any_other_change_is_denied(policy: dict[str, Any], patch: dict[str, Any], says: str) -> None:
-    messages = denied(policy, POD, _merge(POD, patch))
+    messages = denied(policy, POD, merge_patch(POD, patch))
     assert messages and all(says in m or "only a pod's" in m for m in messages)
     assert any(says in m for m in messages)
 

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import kopf
 import pytest
+from operator_support import merge_patch
 
 from tandem.operator.autoscaler import ServiceMemory
 from tandem.operator.kubeapi import ApiError, KubeApi, resource_path
@@ -41,11 +42,11 @@ class FakeApiServer:
             if path.endswith("/status") and path[: -len("/status")] in self.objects:
                 target = path[: -len("/status")]
                 status = json.loads(request.content).get("status") or {}
-                self.objects[target]["status"] = _merge(self.objects[target].get("status") or {}, status)
+                self.objects[target]["status"] = merge_patch(self.objects[target].get("status") or {}, status)
                 return httpx.Response(200, json=self.objects[target])
             if path not in self.objects:
                 return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
-            self.objects[path] = _merge(self.objects[path], json.loads(request.content))
+            self.objects[path] = merge_patch(self.objects[path], json.loads(request.content))
             return httpx.Response(200, json=self.objects[path])
         if request.method == "PATCH":
             assert request.headers["content-type"] == "application/apply-patch+yaml"
@@ -78,18 +79,6 @@ class FakeApiServer:
             self.objects.pop(path, None)
             return httpx.Response(200, json={})
         return httpx.Response(404, json={"kind": "Status", "reason": "NotFound", "message": "nope"})
-
-
-def _merge(base: Any, patch: Any) -> Any:
-    if not isinstance(base, dict) or not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = dict(base)
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _merge(base.get(key), value)
-    return out
 
 
 def run_sync(server: FakeApiServer, cr: dict[str, Any], **kwargs: Any) -> Any:
