@@ -22,7 +22,7 @@ from serve import VllmOpenAIServer  # noqa: E402
 from test_up import Stack  # noqa: E402
 
 from tandem.cli import main as tandem  # noqa: E402
-from tandem.engine.modelgen.model_builder import resolve_model  # noqa: E402
+from tandem.engine.modelgen.resolve import resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

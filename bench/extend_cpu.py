@@ -70,7 +70,7 @@ def _attention_case(heads: int, kv_heads: int, prefix: int, extends: list[int]):
 
 
 def _forward_case(model: str):
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
     from tandem.engine.runner.config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     path = str(resolve_model(args.model))
     rows = []

@@ -49,7 +49,7 @@ COPY_CONVENTION = "copy bandwidth = 2 x buffer bytes / dst.copy_(src) time (read
 
 def resolve(name: str) -> Path:
     """A preset name (llama-1b-shape is built once, 1-2 minutes) or a model directory."""
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     return resolve_model(name)
 

@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results file (default docs/results/router_<experiment>.json)")
     args = ap.parse_args()
     if args.model is None:
-        from tandem.engine.modelgen.model_builder import resolve_model
+        from tandem.engine.modelgen.resolve import resolve_model
 
         args.model = str(resolve_model("tiny"))
     result = overhead(args) if args.experiment == "overhead" else cache(args)

@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--tandem-arg", action="append", default=[], help="extra `tandem serve` flag (repeatable)")
     args = p.parse_args()
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     model_dir = str(resolve_model(args.model))
     ours = Worker(["serve", "--model", model_dir, "--served-model-name", args.model, "--dtype", args.dtype,

@@ -128,7 +128,7 @@ def _workload(name: str, vocab: int) -> list[Request]:
 def _ours_entry(model: str, workload: str, threads: int, config: dict) -> dict:
     from transformers import AutoConfig
 
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     path = str(resolve_model(model))
     vocab = AutoConfig.from_pretrained(path).vocab_size
@@ -164,7 +164,7 @@ def _model(args: argparse.Namespace) -> tuple[str, int]:
     import torch
     from transformers import AutoConfig
 
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model))

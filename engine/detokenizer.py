@@ -31,12 +31,15 @@ class IncrementalDetokenizer:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
     def step(self, new_ids: list[int], final: bool = False) -> str:
-        """Feed new token ids; return the newly completed text. `final` flushes a
-        half-decoded character too (as U+FFFD, as a one-shot decode would show it)."""
+        """Feed new token ids; return the newly completed text. At the `final` step a
+        character still half-decoded (cut off by max_tokens) is left out: the text a client
+        sees, streamed or whole, never ends in U+FFFD bytes it was not meant to see."""
         self.ids.extend(new_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
-        if (full_text.endswith("\ufffd") and not final) or len(full_text) <= len(prefix_text):
+        if final:
+            full_text = full_text.rstrip("\ufffd")
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = max(len(self.ids) - _WINDOW, 0)

@@ -40,7 +40,7 @@ class Engine:
     def __init__(self, model: str = "tiny", **config: Any) -> None:
         from transformers import AutoTokenizer
 
-        from tandem.engine.modelgen.model_builder import resolve_model
+        from tandem.engine.modelgen.resolve import resolve_model
 
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.model_path = resolve_model(model)
@@ -131,7 +131,9 @@ class Engine:
         return results
 
     def _result(self, tokens: list[int], last: ReqOutput, sp: dict, logprobs: list[float]) -> dict[str, Any]:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        # The streaming detokenizer's final text, so offline and served text agree (a character
+        # cut off by max_tokens is left out, never a trailing U+FFFD).
+        text = TextStream(self.tokenizer).feed(tokens, finished=True)
         reason = last.finish_reason or {}
         if isinstance(reason.get("matched"), str):
             text = text[: text.find(reason["matched"])] if reason["matched"] in text else text

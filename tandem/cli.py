@@ -14,6 +14,7 @@ import sys
 # Modules that contribute subcommands; each defines register(subparsers).
 _COMMAND_MODULES = (
     "tandem.engine.cli",
+    "tandem.engine.modelgen.cli",
     "tandem.operator.cli",
     "tandem.server.cli",
     "tandem.router.cli",

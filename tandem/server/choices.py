@@ -43,10 +43,11 @@ class Choice:
 
 
 def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[str, Any]]],
-                 rid: str | None = None, **bootstrap: Any) -> list[Choice]:
+                 rid: str | None = None, skip_special_tokens: bool = True, **bootstrap: Any) -> list[Choice]:
     """Admit every (input_ids, sampling) job or none: a refusal closes those already opened.
     A caller's `rid` names a single job (batches are known by the front's ids only); it is
-    the client's name for it, never the schedulers' key (front.py)."""
+    the client's name for it, never the schedulers' key (front.py). Special tokens (a chat
+    model's end-of-turn marker, ...) stay out of the text unless `skip_special_tokens` is false."""
     choices: list[Choice] = []
     try:
         for i, (ids, sp) in enumerate(jobs):
@@ -54,8 +55,8 @@ def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[
             room = bootstrap.get("bootstrap_room")
             job_bootstrap = {**bootstrap, "bootstrap_room": None if room is None else (room + i) % 2**63}
             stream = front.open(ids, sp, client_rid=rid if len(jobs) == 1 else None, **job_bootstrap)
-            choices.append(Choice(i, stream, TextStream(tokens.tok, (stops,) if isinstance(stops, str)
-                                                        else tuple(stops)), len(ids)))
+            stop_strings = (stops,) if isinstance(stops, str) else tuple(stops)
+            choices.append(Choice(i, stream, TextStream(tokens.tok, stop_strings, skip_special_tokens), len(ids)))
     except BaseException:
         for c in choices:
             front.close(c.stream)

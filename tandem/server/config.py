@@ -100,7 +100,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(model: str) -> str:
-    from tandem.engine.modelgen.model_builder import resolve_model as build_or_find
+    from tandem.engine.modelgen.resolve import resolve_model as build_or_find
 
     return str(build_or_find(model))
 

@@ -69,7 +69,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     for ids in await rt.tokens.encode_many(body.prompts()):
         rt.tokens.max_new_tokens(len(ids), sp["max_new_tokens"])
         jobs.append((ids, sp))
-    choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid, **bootstrap)
+    choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid,
+                           skip_special_tokens=body.sampling_params.skip_special_tokens, **bootstrap)
     logprob = bool(body.return_logprob or body.top_logprobs_num)
     if body.stream:
         return StreamingResponse(_stream(rt, choices[0], t0, logprob), media_type="text/event-stream")

@@ -74,7 +74,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for i in range(body.n):
             jobs.append((ids, body.sampling(budget, i, body.logprobs)))
             echoes.append(echo)
-    choices = open_choices(rt.front, rt.tokens, jobs, **bootstrap)
+    choices = open_choices(rt.front, rt.tokens, jobs, skip_special_tokens=body.skip_special_tokens, **bootstrap)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": rt.config.served_model_name}
     if body.stream:
@@ -137,7 +137,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],
-                           **bootstrap)
+                           skip_special_tokens=body.skip_special_tokens, **bootstrap)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.config.served_model_name}
     if body.stream:
         return StreamingResponse(_stream_chat(rt, body, choices, head), media_type="text/event-stream")
