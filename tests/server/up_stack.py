@@ -46,13 +46,13 @@ def _alive(pid: int) -> bool:
 
 
 class Stack:
-    def __init__(self, model: Path, *flags: str) -> None:
+    def __init__(self, model: Path, *flags: str, name: str = "tiny") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-up-test-"))
         self.log = open(self.run_dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "up", "--model", str(model), "--served-model-name", "tiny",
+            [sys.executable, "-m", "tandem.cli", "up", "--model", str(model), "--served-model-name", name,
              "--port", str(self.port), "--run-dir", str(self.run_dir), "--worker-args", SMALL, *flags],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.tree: set[int] = set()
