@@ -121,7 +121,8 @@ def smollm2_reference(smollm2: Path) -> list[dict]:
               else [model.generation_config.eos_token_id])
     cases = []
     for messages in CHATS:
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  max_new_tokens=MAX_NEW, do_sample=False)

@@ -45,8 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> UpConfig:
-    from tandem.engine.modelgen.named_models import NAMED_MODELS, cached_named
     from tandem.engine.modelgen.model_builder import tandem_home
+    from tandem.engine.modelgen.named_models import NAMED_MODELS, cached_named
     from tandem.engine.modelgen.resolve import resolve_model  # torch: only once we really start
 
     if args.model in NAMED_MODELS and cached_named(args.model, tandem_home()) is None:
