@@ -8,6 +8,7 @@ the tokenizer's special tokens, chat with the template's text encoded without th
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,14 @@ class RouterTokenizer:
         if template is None and (root / "chat_template.jinja").is_file():
             template = (root / "chat_template.jinja").read_text()
         self.specials = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The environment transformers renders templates in: loop controls ({% break %} in Qwen's
+        # templates), strftime_now (Llama 3.x's date line), and a tojson that keeps non-ASCII and
+        # '<' as they are (jinja's own escapes them for HTML, which would change the prompt's ids).
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(template) if isinstance(template, str) else None
 
     def encode(self, text: str) -> list[int]:
@@ -66,6 +73,11 @@ def load_tokenizer(model_dir: str | None) -> RouterTokenizer | ByteTokenizer:
 
 def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str) -> None:

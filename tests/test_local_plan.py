@@ -80,3 +80,15 @@ def test_pd_workers_share_a_secret_made_for_the_run(tmp_path):
     assert other_run[0].env[contract.ENV_PD_SECRET] != comps[0].env[contract.ENV_PD_SECRET]
     assert contract.ENV_PD_SECRET not in comps[-1].env  # the router takes no part in PD traffic
     assert all(contract.ENV_PD_SECRET not in c.env for c in plan(_cfg(tmp_path, colocated=True, dp=2)))
+
+
+def test_up_defaults_to_the_real_model():
+    """The README's first command is a bare `tandem up`: it must serve the real instruct model."""
+    from pathlib import Path
+
+    from tandem.cli import build_parser
+
+    assert build_parser().parse_args(["up"]).model == "smollm2"
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    first = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
+    assert first.endswith("&& tandem up")

@@ -132,6 +132,32 @@ def test_tokenizer_gives_the_workers_ids(model_path) -> None:
     assert ours.chat(msgs) == list(hf.encode(text, add_special_tokens=False))
 
 
+def test_tokenizer_renders_templates_as_transformers(model_path, tmp_path) -> None:
+    """The parts of transformers' template environment real templates use: {% break %} (Qwen),
+    strftime_now (Llama 3.x), and a tojson that leaves '<' and non-ASCII alone (tool schemas)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tandem.router.tokenizer import RouterTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path("tiny") / name, tmp_path / name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{{ strftime_now('%Y') }}{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+        "{{ m.role }}: {{ m.content | tojson }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    msgs = [{"role": "user", "content": "<b>café</b> & 你好"}, {"role": "stop", "content": "x"},
+            {"role": "user", "content": "never rendered"}]
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "<b>café</b> & 你好" in text and "never" not in text
+    assert RouterTokenizer(str(tmp_path)).chat(msgs) == list(hf.encode(text, add_special_tokens=False))
+
+
 def test_router_never_imports_torch() -> None:
     code = ("import sys; import tandem.router.app, tandem.router.cli; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")

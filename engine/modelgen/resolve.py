@@ -64,7 +64,7 @@ def _announce(model_dir: Path) -> Path:
     if prov.is_file():
         info = json.loads(prov.read_text())
         if info.get("dequantized"):
-            kinds = ", ".join(sorted(info.get("tensor_types", {})))
+            kinds = ", ".join(sorted(set(info.get("tensor_types", {})) - {"F32", "F16", "BF16"}))
             log.info("model %s: imported from %s; its quantized tensors (%s) were dequantized to float32 and are "
                      "cast to the serving dtype", model_dir.name, Path(info["source"]).name, kinds)
     return model_dir

@@ -44,6 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def _show_model_log() -> None:
+    """What resolving the model does (a fetch, an import, dequantized weights) goes on the terminal."""
+    import logging
+
+    models_log = logging.getLogger("tandem.engine.modelgen")
+    if not models_log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("tandem up: %(message)s"))
+        models_log.addHandler(handler)
+        models_log.setLevel(logging.INFO)
+
+
 def _config(args: argparse.Namespace) -> UpConfig:
     from tandem.engine.modelgen.model_builder import tandem_home
     from tandem.engine.modelgen.named_models import NAMED_MODELS, cached_named
@@ -52,6 +64,7 @@ def _config(args: argparse.Namespace) -> UpConfig:
     if args.model in NAMED_MODELS and cached_named(args.model, tandem_home()) is None:
         print(f"tandem up: first run with {args.model}: fetching {NAMED_MODELS[args.model].summary} and importing "
               f"it into {tandem_home()} (about a minute, once; later runs start from the cache)", flush=True)
+    _show_model_log()
     model = resolve_model(args.model)  # fetched, imported or built here once, not raced by every worker
     as_path = Path(args.model)
     name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)

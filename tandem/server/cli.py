@@ -17,9 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    logging.basicConfig(level=config.engine.log_level.upper(), stream=sys.stderr,
+    # Before the config: resolving --model may fetch, import or build it, and says so in the log.
+    logging.basicConfig(level=str(args.engine_log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
     from tandem.server.process import run
 
     return run(config)

@@ -43,7 +43,7 @@ def test_up_pd_serves_openai_and_stops_clean(model_path):
         assert set(stack.state()) == {"prefill-0", "decode-0", "router"}
         out = stack.output()
         assert "Tandem is up" in out and f"http://127.0.0.1:{stack.port}/v1" in out and "curl" in out
-        assert "first chat completion through the openai client" in out
+        assert "asked 'What is the capital of France?' through the openai client (random weights" in out
         client = stack.client()
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
                                               max_tokens=8, temperature=0)
