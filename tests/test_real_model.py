@@ -79,19 +79,24 @@ def test_every_eos_id_is_known(smollm2: Path, tmp_path: Path) -> None:
     from tandem.engine.runner.config import ModelConfig
 
     assert ModelConfig.from_pretrained(str(smollm2)).eos_token_ids == (2,)
-    more = _with_eos(smollm2, tmp_path, [2, 0, 1234])
+    more = _with_eos(smollm2, tmp_path / "more", [2, 0, 1234])
     assert set(ModelConfig.from_pretrained(str(more)).eos_token_ids) == {2, 0, 1234}
+    # <|im_end|> named by the tokenizer alone still ends a turn.
+    only_tokenizer = _with_eos(smollm2, tmp_path / "tok", [1234], config_eos=1234)
+    assert set(ModelConfig.from_pretrained(str(only_tokenizer)).eos_token_ids) == {1234, 2}
 
 
-def _with_eos(model: Path, tmp_path: Path, eos: list[int]) -> Path:
-    """The model with another generation_config.json (every other file linked, not copied)."""
-    out = tmp_path / "model"
+def _with_eos(model: Path, out: Path, eos: list[int], config_eos: int | None = None) -> Path:
+    """The model with other EOS ids (every other file linked, not copied)."""
     out.mkdir()
+    changed = {"generation_config.json": {"eos_token_id": eos}}
+    if config_eos is not None:
+        changed["config.json"] = {"eos_token_id": config_eos}
     for f in model.iterdir():
-        if f.name != "generation_config.json":
+        if f.name in changed:
+            (out / f.name).write_text(json.dumps({**json.loads(f.read_text()), **changed[f.name]}))
+        else:
             os.symlink(f, out / f.name)
-    gen = json.loads((model / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": eos}))
     return out
 
 
@@ -148,7 +153,7 @@ def test_any_eos_id_ends_the_answer(smollm2: Path, smollm2_reference: list[dict]
 
     case = smollm2_reference[0]
     paris = case["ids"][5]
-    model = _with_eos(smollm2, tmp_path, [2, paris])
+    model = _with_eos(smollm2, tmp_path / "model", [2, paris])
     with Engine(str(model), dtype="float32", max_total_tokens=4096) as eng:
         out = eng.generate(case["prompt_ids"], {"temperature": 0, "max_new_tokens": 20})[0]
     assert out["token_ids"] == case["ids"][:6] and out["finish_reason"] == "stop"

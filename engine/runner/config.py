@@ -81,17 +81,32 @@ class ModelConfig:
 
 
 def _eos_ids(path: Path, config_eos: int | list[int] | None) -> tuple[int, ...]:
-    """EOS ids from config.json, widened by generation_config.json as HF `generate` does."""
+    """EOS ids from config.json, widened by generation_config.json as HF `generate` does, and by
+    the tokenizer's own eos_token as SGLang does (a chat model's end of turn may be named there only)."""
     ids: list[int] = []
     sources: list[Any] = [config_eos]
     gen = path / "generation_config.json"
     if gen.exists():
         sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(_tokenizer_eos(path))
     for src in sources:
         for i in src if isinstance(src, list) else [src]:
             if i is not None and i not in ids:
                 ids.append(int(i))
     return tuple(ids)
+
+
+def _tokenizer_eos(path: Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token, looked up among tokenizer.json's added tokens."""
+    cfg_path, tok_path = path / "tokenizer_config.json", path / "tokenizer.json"
+    if not (cfg_path.is_file() and tok_path.is_file()):
+        return None
+    eos = json.loads(cfg_path.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    added = json.loads(tok_path.read_text()).get("added_tokens") or []
+    return next((int(t["id"]) for t in added if t.get("content") == eos), None)
 
 
 @dataclass(frozen=True)
