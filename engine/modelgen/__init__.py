@@ -1,1 +1,1 @@
-"""Building HF-format models locally: presets, weights, the byte-level BPE tokenizer."""
+"""Models on disk: what `--model` names (resolve), GGUF imports, named real models fetched from the package index, and presets built locally with random weights."""
