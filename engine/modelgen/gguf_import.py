@@ -80,8 +80,8 @@ def import_gguf(gguf: Path, *, home: Path, digest: str | None = None) -> Path:
         raise FileNotFoundError(f"{gguf}: no such file")
     digest = digest or file_sha256(gguf)
     target = cache_dir_for(gguf, digest, home)
-    if is_imported(target):
-        return target
+    if (done := _imported_copy(target, digest)) is not None:
+        return done
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.with_name(f".{target.name}.lock")):
         if is_imported(target):  # another process converted it while we waited
@@ -97,6 +97,16 @@ def import_gguf(gguf: Path, *, home: Path, digest: str | None = None) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _imported_copy(target: Path, digest: str) -> Path | None:
+    """`target` if imported, else the directory these bytes were imported to under another file name."""
+    if is_imported(target):
+        return target
+    for other in sorted(target.parent.glob(f"*-{digest[:12]}-gguf{IMPORTER_VERSION}")):
+        if is_imported(other) and json.loads((other / PROVENANCE).read_text()).get("sha256") == digest:
+            return other
+    return None
 
 
 @contextmanager
@@ -162,13 +172,21 @@ def _convert(gguf: Path, digest: str, out: Path) -> None:
     src, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(src, gguf_file=name)
     config.architectures = [ARCHITECTURES[meta["general.architecture"]]]
+    # transformers reads no head_dim for qwen2/qwen3 files, and Qwen3Config's default (128) is
+    # wrong for any other shape; llama.cpp's reading is attention.key_length, else hidden / heads.
+    key_length = meta.get(f"{meta['general.architecture']}.attention.key_length")
+    config.head_dim = int(key_length or config.hidden_size // config.num_attention_heads)
     with torch.device("meta"):  # only for the tensor-name map: no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    expected = {n for n, _ in skeleton.named_parameters()}
-    missing = sorted(expected - set(tensors))
+    expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+    missing = sorted(set(expected) - set(tensors))
     if missing:
         raise GGUFError(f"{gguf.name} lacks tensors the model needs: {missing[:4]}")
+    misshapen = [f"{n} {tuple(t.shape)} != {expected[n]}" for n, t in tensors.items()
+                 if n in expected and tuple(t.shape) != expected[n]]
+    if misshapen:
+        raise GGUFError(f"{gguf.name}: tensor shapes disagree with its metadata: {misshapen[:3]}")
     state = {k: v.to(torch.float32).contiguous() for k, v in tensors.items() if k in expected}
     save_torch_state_dict(state, str(out), max_shard_size="2GB")
     config.save_pretrained(str(out))
