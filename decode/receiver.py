@@ -57,6 +57,10 @@ class Incoming:
 
 
 class DecodeReceiver:
+    """The decode role's RolePart (engine/scheduler/role_part.py)."""
+
+    contiguous_pages = True  # arriving KV lands in runs of pages: fewer transfer descriptors
+
     def __init__(self, sched: Any, transfer: Any, peers: PrefillPeers, slots: FirstTokenSlots,
                  allow: Allowlist) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
@@ -138,6 +142,9 @@ class DecodeReceiver:
     # ---- the loop's poll ----------------------------------------------------------------------------
     def on_batch_done(self, batch: Any) -> None:
         """Nothing: a transferred request joins the running batch from poll."""
+
+    def release(self, req: Req) -> bool:
+        return False  # a decoded request's KV goes back to the cache at once
 
     def poll(self) -> None:
         self.peers.channel.check()  # a dead control thread stops the scheduler: liveness fails

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandem.decode.allowlist import Allowlist, parse_peers
 from tandem.decode.peers import PrefillPeers
@@ -10,8 +10,11 @@ from tandem.decode.receiver import DecodeReceiver
 from tandem.engine.transfer.setup import transfer_parts
 from tandem.worker_contract import DECODE
 
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.scheduler import Scheduler
 
-def attach(sched: Any, model_path: str) -> DecodeReceiver:
+
+def attach(sched: Scheduler, model_path: str) -> DecodeReceiver:
     cfg = sched.config
     addresses = parse_peers(cfg.pd_prefill_peers)  # a bad entry fails the start-up, before any socket
     parts = transfer_parts(sched, model_path, DECODE)

@@ -29,6 +29,7 @@ import zmq
 from tandem.engine import socket_dir
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.launch import FATAL, run_scheduler_process
+from tandem.engine.scheduler.role_part import AttachRole
 from tandem.protocol.messages import (
     AbortReq,
     AdminResult,
@@ -40,7 +41,6 @@ from tandem.protocol.messages import (
     encode,
     is_admin,
 )
-from tandem.worker_contract import COLOCATED
 
 
 class RankUnreachable(RuntimeError):
@@ -78,7 +78,7 @@ class DPBudget:
 
 class DataParallelController:
     def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None],
-                 role: str = COLOCATED, threads: int | None = None, ready_timeout: float = 600.0) -> None:
+                 attach: AttachRole | None = None, threads: int | None = None, ready_timeout: float = 600.0) -> None:
         self.config = config
         self.emit = emit
         self.budget = DPBudget(config.dp_size)
@@ -103,7 +103,7 @@ class DataParallelController:
             s.bind(addr)
             self.pushes.append(s)
             p = spawn.Process(
-                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr, role, threads),
+                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr, attach, threads),
                 daemon=True,
             )
             p.start()

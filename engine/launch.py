@@ -1,6 +1,6 @@
 """Where a scheduler is assembled, and the clients that reach one.
 
-    build_scheduler(config, model_path, inbox, emit, role)   the one place a Scheduler is built
+    build_scheduler(config, model_path, inbox, emit, attach) the one place a Scheduler is built
     InProcessScheduler    a scheduler on a thread of this process (the offline Engine, dp_size 1)
     run_scheduler_process one scheduler process fed over zmq (the DP controller's ranks, the server)
 
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.scheduler.role_part import AttachRole
 from tandem.protocol.messages import AdminResult, ShutdownReq, decode, encode
-from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
 
 Emit = Callable[[list[Any]], None]
 # The AdminResult rid prefix a scheduler process's last message carries when its loop raised:
@@ -37,16 +37,14 @@ class SchedulerClient(Protocol):
 
 
 def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emit,
-                    role: str = COLOCATED, dp_rank: int = 0) -> Any:
-    """Load the model and wire a Scheduler for `role`: prefill and decode are the
-    colocated scheduler plus their transfer part (prefill/role.py, decode/role.py)."""
+                    attach: AttachRole | None = None, dp_rank: int = 0) -> Any:
+    """Load the model and wire a Scheduler; `attach` composes in a PD role's transfer part
+    (prefill/role.py, decode/role.py: the caller picks it, the engine knows neither)."""
     from transformers import AutoTokenizer
 
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.scheduler.scheduler import Scheduler
 
-    if role not in WORKER_ROLES:
-        raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
     tokenizer: list[Any] = []
 
     def get_tokenizer() -> Any:  # only stop strings need it: loaded on first use
@@ -58,14 +56,8 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
     memory = runner.size_kv_memory()
     runner.attach(memory)
     sched = Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
-    if role == PREFILL:
-        from tandem.prefill.role import attach
-
+    if attach is not None:
         attach(sched, model_path)
-    elif role == DECODE:
-        from tandem.decode.role import attach as attach_decode
-
-        attach_decode(sched, model_path)
     return sched
 
 
@@ -175,7 +167,7 @@ def cpu_budget() -> int:
 
 
 def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str,
-                          role: str = COLOCATED, threads: int | None = None) -> None:
+                          attach: AttachRole | None = None, threads: int | None = None) -> None:
     """Entry point of one scheduler process: messages in over zmq PULL, outputs out over
     PUSH. Its first output is AdminResult("ready-<rank>") carrying scheduler_info, or
     ok=False with the error if the model failed to load."""
@@ -191,7 +183,7 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
     inbox: queue.Queue = queue.Queue()
     emit = lambda outs: push.send_multipart([encode(o) for o in outs])  # noqa: E731
     try:
-        sched = build_scheduler(config, model_path, inbox, emit, role=role, dp_rank=rank)
+        sched = build_scheduler(config, model_path, inbox, emit, attach=attach, dp_rank=rank)
     except Exception as exc:
         push.send_multipart([encode(AdminResult(f"ready-{rank}", False, {"error": f"{type(exc).__name__}: {exc}"}))])
         push.close(linger=2000)

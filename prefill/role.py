@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandem.engine.transfer.setup import transfer_parts
 from tandem.prefill.sender import PrefillSender
 from tandem.worker_contract import PREFILL
 
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.scheduler import Scheduler
 
-def attach(sched: Any, model_path: str) -> PrefillSender:
+
+def attach(sched: Scheduler, model_path: str) -> PrefillSender:
     cfg = sched.config
     if cfg.dp_size > 1:
         raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")

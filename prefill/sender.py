@@ -52,6 +52,10 @@ class Outgoing:
 
 
 class PrefillSender:
+    """The prefill role's RolePart (engine/scheduler/role_part.py)."""
+
+    contiguous_pages = True  # a request's KV leaves in runs of pages: fewer transfer descriptors
+
     def __init__(self, sched: Any, parts: TransferParts) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.parts = parts
@@ -66,7 +70,6 @@ class PrefillSender:
                       "pages_sent": 0, "failed": 0, "bootstrap_timeouts": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
-        sched.output.release = self.release
 
     # ---- requests ---------------------------------------------------------------------------------
     def admit(self, req: Req, msg: GenerateReq) -> bool:
@@ -253,13 +256,13 @@ class PrefillSender:
             og.tell = why
         self._settle(og)
 
-    def release(self, req: Req) -> None:
-        """OutputProcessor's release for finished requests: a PD request's KV waits for its sends."""
+    def release(self, req: Req) -> bool:
+        """A finished request's KV: a PD request's waits for its sends (then _settle frees it)."""
         og = self.by_rid.get(req.rid)
         if og is None:
-            self.cache.release(req)
-        else:
-            self._settle(og)
+            return False
+        self._settle(og)
+        return True
 
     def _settle(self, og: Outgoing) -> None:
         """Release the room once its request is finished, no more sends will start and

@@ -31,3 +31,24 @@ def test_operator_protocol_and_cli_never_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+def test_engine_imports_no_role_and_roles_implement_the_seam() -> None:
+    """The engine is built on by the PD roles, never the reverse: the caller passes a role's
+    attach (engine/scheduler/role_part.py); both roles' parts have every hook of RolePart."""
+    import inspect
+    from pathlib import Path
+
+    from tandem.decode.receiver import DecodeReceiver
+    from tandem.engine.scheduler.role_part import RolePart
+    from tandem.prefill.sender import PrefillSender
+
+    engine = Path(__file__).parents[1] / "engine"
+    offenders = [str(p) for p in engine.rglob("*.py")
+                 if "tandem.prefill" in p.read_text() or "tandem.decode" in p.read_text()]
+    assert not offenders
+    hooks = [name for name, _ in inspect.getmembers(RolePart, inspect.isfunction) if not name.startswith("_")]
+    assert {"admit", "abort", "poll", "on_batch_done", "release", "busy", "check_integrity", "status"} <= set(hooks)
+    for part in (PrefillSender, DecodeReceiver):
+        assert all(callable(getattr(part, name, None)) for name in hooks), part
+        assert part.contiguous_pages is True

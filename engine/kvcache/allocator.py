@@ -32,8 +32,13 @@ class PageAllocator:
         # Keep the free list in page order, so that an allocation takes the lowest free pages
         # and they are mostly consecutive: a KV transfer moves each run of consecutive pages
         # as one descriptor per layer and K/V instead of one per page. It costs one pass over
-        # the allocation mask per free; the PD roles turn it on (prefill/role.py, decode/role.py).
+        # the allocation mask per free; the PD roles ask for it (RolePart.contiguous_pages).
         self.sorted_free = False
+
+    def keep_free_list_sorted(self) -> None:
+        """Hand out the lowest free pages first from now on (see `sorted_free`)."""
+        self.sorted_free = True
+        self._free_pages = torch.nonzero(~self._allocated[1:]).flatten() + 1
 
     # ---- queries ---------------------------------------------------------------------
     def available_size(self) -> int:

@@ -27,15 +27,16 @@ class OutputProcessor:
         eos_ids: tuple[int, ...],
         tokenizer: Callable[[], Any],
         emit: Callable[[list[ReqOutput]], None],
+        release: Callable[[Req], None] | None = None,
     ) -> None:
         self.cache = cache
         self.eos_ids = frozenset(eos_ids)
         self.tokenizer = tokenizer  # loaded lazily: only stop strings need it
         self.emit = emit
         self.on_finish: Callable[[Req], None] = lambda req: None
-        # How a finished request gives back its KV; the prefill role defers it until the
-        # request's KV has been sent (prefill/sender.py).
-        self.release: Callable[[Req], None] = cache.release
+        # How a finished request gives back its KV: the scheduler's release_finished, which
+        # lets a prefill role hold it until the request's KV has been sent (prefill/sender.py).
+        self.release: Callable[[Req], None] = release or cache.release
 
     # ---- per batch ------------------------------------------------------------------------------
     def process_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:

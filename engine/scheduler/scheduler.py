@@ -38,6 +38,7 @@ from tandem.engine.scheduler.prefill_manager import PrefillManager
 from tandem.engine.scheduler.priority import preempt_for_priority
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.scheduler.request_validation import build_req
+from tandem.engine.scheduler.role_part import RolePart
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 from tandem.protocol.messages import (
@@ -76,7 +77,8 @@ class Scheduler:
         self.policy = SchedulePolicy(config.schedule_policy, tree, config.enable_priority_scheduling, config.seed)
         self.prefill = PrefillManager(config, self.cache, self.policy)
         self.decode = DecodeManager(config, self.cache)
-        self.output = OutputProcessor(self.cache, runner.model_config.eos_token_ids, tokenizer, emit)
+        self.output = OutputProcessor(self.cache, runner.model_config.eos_token_ids, tokenizer, emit,
+                                      release=self.release_finished)
         self.metrics = SchedulerMetrics()
         self.output.on_finish = self.metrics.on_finish
         self.worker = ModelWorker(runner)
@@ -88,17 +90,24 @@ class Scheduler:
         self.running = True
         self.idle_checked = False
         self.reqs: dict[str, Req] = {}
-        self.part: Any = None  # the prefill or decode role's transfer part (attach)
+        self.part: RolePart | None = None  # the prefill or decode role's transfer part (attach)
         self.request_handlers: dict[type, Callable[[Any], Any]] = {
             GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
         self.admin_handlers = {FlushCacheReq: partial(admin.flush_cache, self), StatusReq: partial(admin.status, self),
                                ShutdownReq: self.shutdown}
 
-    def attach(self, part: Any) -> None:
+    def attach(self, part: RolePart) -> None:
         """Compose in a role's transfer part (prefill/sender.py, decode/receiver.py): it takes
         the requests it admits, handles its own inbox messages, and is polled every loop."""
         self.part = part
         self.request_handlers.update(part.handlers)
+        if part.contiguous_pages:
+            self.cache.allocator.keep_free_list_sorted()
+
+    def release_finished(self, req: Req) -> None:
+        """A finished request's KV goes back to the cache, unless the role still sends it."""
+        if self.part is None or not self.part.release(req):
+            self.cache.release(req)
 
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:

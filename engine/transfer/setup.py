@@ -79,7 +79,6 @@ def transfer_parts(sched: Any, model_path: str, role: str) -> TransferParts:
     from tandem.engine.transfer.nixl_agent import NixlTransfer
 
     confine_ucx_ports()
-    sched.cache.allocator.sorted_free = True  # consecutive pages: fewer transfer descriptors
     cfg = sched.config
     name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}"
     transfer = NixlTransfer(name, timeout=cfg.pd_transfer_timeout)

@@ -24,16 +24,33 @@ from tandem.server.metrics import ServerMetrics
 from tandem.server.runtime import Runtime
 from tandem.server.security import Guard
 from tandem.server.tokens import Tokens
+from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
 
 log = logging.getLogger("tandem.server")
 SCHEDULER_DIED_EXIT = 70  # sysexits' EX_SOFTWARE
+
+
+def role_attach(role: str) -> Any:
+    """The PD role's part for the scheduler (engine/scheduler/role_part.py); None colocated.
+    Imported only for its role: a colocated worker never loads NIXL."""
+    if role == PREFILL:
+        from tandem.prefill.role import attach
+
+        return attach
+    if role == DECODE:
+        from tandem.decode.role import attach
+
+        return attach
+    if role != COLOCATED:
+        raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
+    return None
 
 
 def scheduler_processes(config: ServerConfig) -> Callable[[Callable], Any]:
     def build(emit: Callable) -> Any:
         from tandem.engine.dp_controller import DataParallelController
 
-        return DataParallelController(config.engine, config.model_path, emit, role=config.role)
+        return DataParallelController(config.engine, config.model_path, emit, attach=role_attach(config.role))
 
     return build
 
