@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tandem.decode.allowlist import ALLOWED, REFUSED, Allowlist
 from tandem.decode.arrival import Arrival
+from tandem.decode.incoming import Incoming, Stage
 from tandem.decode.peers import PrefillPeers
 from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
@@ -40,20 +40,6 @@ from tandem.protocol import pd
 from tandem.protocol.messages import GenerateReq
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Incoming:
-    req: Req
-    room: int
-    peer: str  # its prefill's key, "" while resolving
-    since: float
-    stage: str = "bootstrap"  # resolving | bootstrap | prealloc | transfer | cancelling
-    host: str = ""  # bootstrap_host:bootstrap_port as the request gave them
-    port: int = 0
-    slot: int | None = None
-    chunks: int = 0
-    total: int | None = None
 
 
 class DecodeReceiver:
@@ -81,7 +67,7 @@ class DecodeReceiver:
     def admit(self, req: Req, msg: GenerateReq) -> bool:
         if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
             return False  # no prefill named: prefill here
-        inc = Incoming(req, msg.bootstrap_room, "", time.monotonic(), "resolving", msg.bootstrap_host,
+        inc = Incoming(req, msg.bootstrap_room, "", time.monotonic(), Stage.RESOLVING, msg.bootstrap_host,
                        msg.bootstrap_port)
         if inc.room in self.rooms:
             self._fail(inc, f"bootstrap_room {inc.room} is already in use")
@@ -99,7 +85,7 @@ class DecodeReceiver:
             self.stats["refused_addresses"] += 1
             self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
         elif verdict == ALLOWED:
-            inc.peer, inc.stage = key, "prealloc" if self.peers.get(key).ready else "bootstrap"
+            inc.peer, inc.stage = key, Stage.PREALLOC if self.peers.get(key).ready else Stage.BOOTSTRAP
 
     def abort(self, rid: str) -> bool:
         inc = self.by_rid.get(rid)
@@ -116,12 +102,12 @@ class DecodeReceiver:
 
     def on_welcome(self, key: str, w: pd.Welcome) -> None:
         error = self.peers.welcome(key, w)
-        for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
+        for inc in [i for i in self.queue if i.peer == key and i.stage == Stage.BOOTSTRAP]:
             if error is not None:
                 self.stats["handshake_failures"] += 1
                 self._fail(inc, error)
             else:
-                inc.stage = "prealloc"
+                inc.stage = Stage.PREALLOC
 
     def on_cancel(self, key: str, msg: pd.KVCancel) -> None:
         inc = self.rooms.get(msg.room)
@@ -130,7 +116,7 @@ class DecodeReceiver:
 
     def on_cancelled(self, key: str, msg: pd.KVCancelled) -> None:
         inc = self.rooms.get(msg.room)
-        if inc is not None and inc.peer == key and inc.stage == "cancelling":
+        if inc is not None and inc.peer == key and inc.stage == Stage.CANCELLING:
             self._fail(inc, "")
 
     def on_peer_down(self, m: PeerDown) -> None:
@@ -150,14 +136,14 @@ class DecodeReceiver:
         self.peers.channel.check()  # a dead control thread stops the scheduler: liveness fails
         for agent, note in self.transfer.poll().received:
             got = self.arrival.note(agent, note, self.rooms)
-            if got is None or got[0].stage not in ("transfer", "cancelling"):
+            if got is None or got[0].stage not in (Stage.TRANSFER, Stage.CANCELLING):
                 continue
             inc, total = got
             inc.chunks += 1
             inc.total = total if total is not None else inc.total
-            if inc.stage == "transfer" and inc.chunks == inc.total:
+            if inc.stage == Stage.TRANSFER and inc.chunks == inc.total:
                 self._complete(inc)
-        for inc in [i for i in self.queue if i.stage == "resolving"]:
+        for inc in [i for i in self.queue if i.stage == Stage.RESOLVING]:
             self._place(inc)
         self.peers.keep_connected()
         self._preallocate()
@@ -165,7 +151,7 @@ class DecodeReceiver:
 
     def _preallocate(self) -> None:
         for inc in list(self.queue):
-            if inc.stage == "prealloc" and not self._reserve(inc):
+            if inc.stage == Stage.PREALLOC and not self._reserve(inc):
                 break  # first come, first served: a full pool holds everyone behind too
 
     def _reserve(self, inc: Incoming) -> bool:
@@ -197,7 +183,7 @@ class DecodeReceiver:
         pages = (slots[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page
         self.peers.channel.send(inc.peer, pd.KVDest(inc.room, pages, skip, inc.slot, n))
         self.stats["reused_tokens"] += skip
-        inc.stage, inc.since = "transfer", time.monotonic()
+        inc.stage, inc.since = Stage.TRANSFER, time.monotonic()
         self.queue.remove(inc)
         return True
 
@@ -231,15 +217,15 @@ class DecodeReceiver:
         now, cfg = time.monotonic(), self.cfg
         for key in self.peers.expired():
             self.peers.drop(key)
-            for inc in [i for i in self.queue if i.peer == key and i.stage == "bootstrap"]:
+            for inc in [i for i in self.queue if i.peer == key and i.stage == Stage.BOOTSTRAP]:
                 self._fail(inc, f"no handshake with prefill {key} within {cfg.pd_bootstrap_timeout:.0f} s")
-        limits = {"resolving": cfg.pd_bootstrap_timeout, "prealloc": cfg.pd_prealloc_timeout,
-                  "transfer": cfg.pd_transfer_timeout, "cancelling": cfg.pd_transfer_timeout}
+        limits = {Stage.RESOLVING: cfg.pd_bootstrap_timeout, Stage.PREALLOC: cfg.pd_prealloc_timeout,
+                  Stage.TRANSFER: cfg.pd_transfer_timeout, Stage.CANCELLING: cfg.pd_transfer_timeout}
         for inc in list(self.rooms.values()):
             limit = limits.get(inc.stage)
             if limit is None or now - inc.since <= limit:
                 continue
-            if inc.stage == "transfer":
+            if inc.stage == Stage.TRANSFER:
                 self._cancel(inc, f"KV did not arrive within {limit:.0f} s")
             else:  # resolving: DNS did not answer; prealloc: the pool stayed full; cancelling: no answer
                 self._fail(inc, f"gave up after {limit:.0f} s in {inc.stage}")
@@ -247,14 +233,14 @@ class DecodeReceiver:
     # ---- the end of a room ---------------------------------------------------------------------------
     def _cancel(self, inc: Incoming, why: str) -> None:
         """Stop the request now; pages prefill may still write wait for its KVCancelled."""
-        if inc.stage != "transfer":
+        if inc.stage != Stage.TRANSFER:
             self._fail(inc, why)
             if self.peers.peers.get(inc.peer) is not None:
                 self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
             return
         self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
         self._finish(inc.req, why)
-        inc.stage, inc.since = "cancelling", time.monotonic()
+        inc.stage, inc.since = Stage.CANCELLING, time.monotonic()
 
     def _fail(self, inc: Incoming, why: str, status: int = 503) -> None:
         """The room is over: free what it holds, finish the request with `why` if it runs

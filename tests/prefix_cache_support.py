@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.prefix_cache import PrefixCache, create_prefix_cache
+from tandem.engine.kvcache.prefix_cache import PrefixCache
+from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 

@@ -22,8 +22,8 @@ from prefix_cache_support import (
 )
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.prefix_cache import NoPrefixCache, create_prefix_cache
-from tandem.engine.kvcache.radix_cache import RadixCache
+from tandem.engine.kvcache.prefix_cache import NoPrefixCache
+from tandem.engine.kvcache.radix_cache import RadixCache, create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 

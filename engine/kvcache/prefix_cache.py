@@ -206,18 +206,3 @@ class NoPrefixCache(PrefixCache):
     def _check_handle(self, node: object) -> None:
         if node is not self._root:
             raise ValueError("handle was not returned by this cache's match_prefix")
-
-
-def create_prefix_cache(
-    disable_radix_cache: bool,
-    req_to_token_pool: ReqToTokenPool,
-    kv_pool_allocator: PageAllocator,
-    page_size: int,
-) -> PrefixCache:
-    """RadixCache unless the radix cache is disabled."""
-    if disable_radix_cache:
-        return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
-    # Imported here: radix_cache.py imports this module for the contract.
-    from tandem.engine.kvcache.radix_cache import RadixCache
-
-    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size)

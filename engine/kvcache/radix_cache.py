@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
-from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, PrefixCache
+from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, NoPrefixCache, PrefixCache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
@@ -285,3 +285,15 @@ class RadixCache(PrefixCache):
         pages = slots.view(-1, P)
         assert bool((pages[:, 0] % P == 0).all()) and bool((pages[:, 0] >= P).all()), "bad page start"
         assert bool((pages - pages[:, :1] == torch.arange(P)).all()), "a page's slots are not contiguous"
+
+
+def create_prefix_cache(
+    disable_radix_cache: bool,
+    req_to_token_pool: ReqToTokenPool,
+    kv_pool_allocator: PageAllocator,
+    page_size: int,
+) -> PrefixCache:
+    """RadixCache unless the radix cache is disabled (here, beside the one module that knows both)."""
+    if disable_radix_cache:
+        return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
+    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size)

@@ -24,7 +24,7 @@ import torch
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kvcache.cache_manager import CacheManager
 from tandem.engine.kvcache.kv_memory import KVMemory
-from tandem.engine.kvcache.prefix_cache import create_prefix_cache
+from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.runner.forward_batch import ForwardMode
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
