@@ -1,19 +1,23 @@
-"""HTTP serving throughput and TTFT: `tandem serve` against the offline Engine (what HTTP
-costs) or against vLLM's OpenAI server (`vllm serve`, in its own venv: bench/README.md),
+"""HTTP serving throughput, TTFT and ITL: `tandem serve` against the offline Engine (what
+HTTP costs) or against vLLM's OpenAI server (`vllm serve`, in its own venv: bench/README.md),
 driven by one client on the same workload in the same run.
 
     python bench/serve.py engine --model tiny --rounds 4
     python bench/serve.py vllm   --model tiny --rounds 4
+    python bench/serve.py vllm   --model DIR --name smollm2 --concurrency 1,8,32 --requests 8,32,64
 
-The client sends every request of workloads.throughput_workload (64 requests, 32-256
-prompt tokens as ids, 64-128 new tokens, greedy, ignore_eos) to /v1/completions with
+The client sends the requests of workloads.throughput_workload (`--requests`, default 64;
+32-256 prompt tokens as ids, 64-128 new tokens, greedy, ignore_eos) to /v1/completions with
 stream=true, at once (concurrency = the request count, as the offline Engine sees them) or
-at most `--concurrency C` at a time, and measures output tokens per second over the whole
-batch, each request's TTFT (send to first streamed token) and ITL (inter-token latency:
-first to last token over the tokens between, so it does not depend on how many tokens a
-server packs into one SSE chunk). A and B alternate round by round, the idle one frozen;
-each figure is the median of the per-round ratios. Results go to
-docs/results/serve_<mode>_<model>[_c<C>].json.
+at most C at a time for each C in `--concurrency C1,C2,...` (`--requests` may then name one
+count per level). Per run it measures output tokens per second over the whole batch, each
+request's TTFT (send to first streamed token) and ITL (inter-token latency). A request's
+mean ITL is first to last token over the tokens between, so it does not depend on how many
+tokens a server packs into one SSE chunk; its median ITL is the median gap between streamed
+chunks divided by the request's mean tokens per chunk (exact when every chunk carries one
+token; `tokens_per_chunk` records how far from that a run was). A and B alternate round by
+round, the idle one frozen; each figure is the median of the per-round ratios. Results go to
+docs/results/serve_<mode>_<name>[_c<C>].json (one level: the flat layout; several: `levels`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -39,12 +44,33 @@ from worker_process import Worker, free_port  # noqa: E402
 from workloads import Request, throughput_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+RATIOS = ("output_tok_per_s", "ttft_p50", "itl_mean", "itl_p50")  # per round: tandem serve / peer
 
 
-async def _one(client: httpx.AsyncClient, model: str, r: Request) -> tuple[float, int, float]:
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed request: TTFT, output tokens, the times (from send) of its text chunks."""
+
+    ttft: float
+    tokens: int
+    chunk_times: list[float]
+
+    def itl_mean(self) -> float:
+        if len(self.chunk_times) < 2 or self.tokens < 2:
+            return float("nan")
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.tokens - 1)
+
+    def itl_median(self) -> float:
+        if len(self.chunk_times) < 2 or self.tokens < 2:
+            return float("nan")
+        gaps = [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return statistics.median(gaps) * (len(gaps) / (self.tokens - 1))
+
+
+async def _one(client: httpx.AsyncClient, model: str, r: Request) -> Streamed:
     body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.max_new_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0, ttft, last, tokens = time.perf_counter(), None, 0.0, 0
+    t0, times, tokens = time.perf_counter(), [], 0
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
@@ -52,36 +78,44 @@ async def _one(client: httpx.AsyncClient, model: str, r: Request) -> tuple[float
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter() - t0
-                ttft = last if ttft is None else ttft
+                times.append(time.perf_counter() - t0)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    itl = (last - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else float("nan")
-    return ttft if ttft is not None else float("nan"), tokens, itl
+    return Streamed(times[0] if times else float("nan"), tokens, times)
+
+
+def _summary(rows: list[Streamed], seconds: float) -> dict:
+    out = sum(s.tokens for s in rows)
+    ttfts = sorted(s.ttft for s in rows)
+    gaps = sum(len(s.chunk_times) - 1 for s in rows if len(s.chunk_times) > 1)
+    return {"seconds": seconds, "output_tokens": out, "output_tok_per_s": out / seconds,
+            "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+            "ttft_mean": statistics.fmean(ttfts),
+            "itl_mean": statistics.fmean(s.itl_mean() for s in rows),
+            "itl_p50": statistics.median(s.itl_median() for s in rows),
+            "tokens_per_chunk": sum(s.tokens - 1 for s in rows if len(s.chunk_times) > 1) / max(gaps, 1),
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 def run_http(url: str, model: str, requests: list[Request], concurrency: int | None = None) -> dict:
-    async def main() -> tuple[list[tuple[float, int, float]], float]:
+    async def main() -> tuple[list[Streamed], float]:
         limits = httpx.Limits(max_connections=len(requests))
         gate = asyncio.Semaphore(concurrency or len(requests))
 
-        async def gated(client: httpx.AsyncClient, r: Request) -> tuple[float, int, float]:
+        async def gated(client: httpx.AsyncClient, r: Request) -> Streamed:
             async with gate:
                 return await _one(client, model, r)
 
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
             await _one(client, model, Request([11, 12, 13], 4))  # warm-up (connections, first-call costs)
             t0 = time.perf_counter()
             rows = await asyncio.gather(*(gated(client, r) for r in requests))
             return rows, time.perf_counter() - t0
 
     rows, seconds = asyncio.run(main())
-    out = sum(t for _, t, _ in rows)
-    assert out == sum(r.max_new_tokens for r in requests), (out, "ignore_eos must give max_new_tokens")
-    ttfts = sorted(t for t, _, _ in rows)
-    return {"seconds": seconds, "output_tokens": out, "output_tok_per_s": out / seconds,
-            "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
-            "itl_p50": statistics.median(i for _, _, i in rows)}
+    result = _summary(rows, seconds)
+    assert result["output_tokens"] == sum(r.max_new_tokens for r in requests), "ignore_eos must give max_new_tokens"
+    return result
 
 
 def run_engine(model_dir: str, requests: list[Request], dtype: str) -> dict:
@@ -114,7 +148,7 @@ class VllmOpenAIServer:
             [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
              "--served-model-name", name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port)],
             env=env, cwd=tempfile.gettempdir(), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"vllm serve exited; see {self.log.name}"
             try:
@@ -124,6 +158,9 @@ class VllmOpenAIServer:
                 pass
             time.sleep(1)
         raise TimeoutError("vllm serve not ready")
+
+    def version(self) -> str:
+        return httpx.get(self.url + "/version", timeout=10).json().get("version", "")
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -149,66 +186,87 @@ class Frozen:
             os.killpg(self.pgid, signal.SIGCONT)
 
 
+def _levels(concurrency: str | None, requests: str) -> list[tuple[int | None, int]]:
+    """(concurrency, request count) per level; no --concurrency is one level, all at once."""
+    cs: list[int | None] = [int(c) for c in concurrency.split(",")] if concurrency else [None]
+    ns = [int(n) for n in requests.split(",")]
+    assert len(ns) in (1, len(cs)), "--requests: one count, or one per concurrency level"
+    return list(zip(cs, ns * len(cs) if len(ns) == 1 else ns))
+
+
+def run_level(args: argparse.Namespace, level: int, ours: Worker, peer: VllmOpenAIServer | None, model_dir: str,
+              concurrency: int | None, n: int) -> dict:
+    """Warm both sides at this concurrency (unmeasured), then `--rounds` rounds, A then B."""
+    warm = throughput_workload(n=min(n, 2 * concurrency) if concurrency else n, seed=10_000 + level)
+    for server, other in ((ours, peer), (peer, ours)):
+        if server is not None:
+            with Frozen(other.proc if other is not None else None):
+                run_http(server.url, args.name, warm, concurrency)
+    rows = []
+    for i in range(args.rounds):
+        # A fresh workload per round and level (same for A and B): no prefix-cache hits across runs.
+        requests = throughput_workload(n=n, seed=100 * level + i)
+        with Frozen(peer.proc if peer else None):
+            a = run_http(ours.url, args.name, requests, concurrency)
+        with Frozen(ours.proc):
+            b = (run_http(peer.url, args.name, requests, concurrency) if peer
+                 else run_engine(model_dir, requests, args.dtype))
+        row = {"round": i, "tandem_serve": a, args.mode: b}
+        row |= {f"{k}_ratio": a[k] / b[k] for k in (RATIOS if peer else RATIOS[:1])}
+        row["throughput_ratio"] = row.pop("output_tok_per_s_ratio")
+        rows.append(row)
+        print(json.dumps({"concurrency": concurrency, **{k: round(v, 3) for k, v in row.items() if "ratio" in k},
+                          "tandem_tok_s": round(a["output_tok_per_s"]), "peer_tok_s": round(b["output_tok_per_s"]),
+                          "loadavg_1m": a["loadavg_1m"]}), flush=True)
+    keys = [k for k in rows[0] if k.endswith("_ratio")]
+    return {"concurrency": concurrency, "requests": n, "rounds": rows, "loadavg_1m": os.getloadavg()[0],
+            **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["engine", "vllm"])
-    p.add_argument("--model", default="tiny")
+    p.add_argument("--model", default="tiny", help="a preset, a named model, or an HF directory")
+    p.add_argument("--name", default=None, help="served model name and result file tag (default: --model's basename)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    p.add_argument("--requests", default="64", help="requests per round; one count, or one per concurrency level")
+    p.add_argument("--concurrency", default=None, help="comma-separated in-flight limits, e.g. 1,8,32 (default: all)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra `tandem serve` flag (repeatable)")
     args = p.parse_args()
+    args.name = args.name or Path(args.model).name
     from tandem.engine.modelgen.resolve import resolve_model
 
     model_dir = str(resolve_model(args.model))
-    ours = Worker(["serve", "--model", model_dir, "--served-model-name", args.model, "--dtype", args.dtype,
+    levels = _levels(args.concurrency, args.requests)
+    ours = Worker(["serve", "--model", model_dir, "--served-model-name", args.name, "--dtype", args.dtype,
                    *args.tandem_arg])
     peer = None
-    rows = []
+    results, version = [], ""
     try:
         ours.wait_ready()
-        peer = VllmOpenAIServer(model_dir, args.dtype, args.model) if args.mode == "vllm" else None
-        warm = throughput_workload(n=args.requests, seed=1000)  # every batch shape's first-call costs, unmeasured
-        for server, other in ((ours, peer), (peer, ours)):
-            if server is not None:
-                with Frozen(other.proc if other is not None else None):
-                    run_http(server.url, args.model, warm, args.concurrency)
-        for i in range(args.rounds):
-            # A fresh workload per round (same for A and B): no prefix-cache hits across rounds.
-            requests = throughput_workload(n=args.requests, seed=i)
-            with Frozen(peer.proc if peer else None):
-                a = run_http(ours.url, args.model, requests, args.concurrency)
-            with Frozen(ours.proc):
-                b = (run_http(peer.url, args.model, requests, args.concurrency) if peer
-                     else run_engine(model_dir, requests, args.dtype))
-            row = {"round": i, "tandem_serve": a, args.mode: b,
-                   "throughput_ratio": a["output_tok_per_s"] / b["output_tok_per_s"]}
-            if peer:
-                row["ttft_p50_ratio"] = a["ttft_p50"] / b["ttft_p50"]
-                row["itl_p50_ratio"] = a["itl_p50"] / b["itl_p50"]
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if "ratio" in k} | {
-                "tandem_tok_s": round(a["output_tok_per_s"]), "peer_tok_s": round(b["output_tok_per_s"])}),
-                flush=True)
+        peer = VllmOpenAIServer(model_dir, args.dtype, args.name) if args.mode == "vllm" else None
+        version = peer.version() if peer else ""
+        for level, (concurrency, n) in enumerate(levels):
+            results.append(run_level(args, level, ours, peer, model_dir, concurrency, n))
     finally:
         ours.stop()
         if peer:
             peer.stop()
-    result = {"mode": args.mode, "model": args.model, "dtype": args.dtype, "requests": args.requests,
-              "concurrency": args.concurrency,
-              "tandem_args": args.tandem_arg,
-              "loadavg_1m": os.getloadavg()[0], "rounds": rows,
-              "median_throughput_ratio": statistics.median(r["throughput_ratio"] for r in rows)}
-    if peer:
-        result["median_ttft_p50_ratio"] = statistics.median(r["ttft_p50_ratio"] for r in rows)
-        result["median_itl_p50_ratio"] = statistics.median(r["itl_p50_ratio"] for r in rows)
-    suffix = f"_c{args.concurrency}" if args.concurrency else ""
-    out = ROOT / f"docs/results/serve_{args.mode}_{args.model}{suffix}.json"
+    head = {"mode": args.mode, "model": args.name, "model_dir": model_dir, "dtype": args.dtype,
+            "peer_version": version, "tandem_args": args.tandem_arg}
+    if len(results) == 1:  # the layout of a single-level run, as before
+        result = {**head, **results[0]}
+        suffix = f"_c{results[0]['concurrency']}" if results[0]["concurrency"] else ""
+    else:
+        result, suffix = {**head, "levels": results}, ""
+    out = ROOT / f"docs/results/serve_{args.mode}_{args.name}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"median tandem serve / {args.mode}: throughput {result['median_throughput_ratio']:.3f}"
-          + (f", TTFT p50 {result['median_ttft_p50_ratio']:.3f}, ITL p50 {result['median_itl_p50_ratio']:.3f}"
-             if peer else "") + f" -> {out}")
+    for r in results:
+        print(f"concurrency {r['concurrency'] or 'all'}: median tandem serve / {args.mode}: "
+              + ", ".join(f"{k.removeprefix('median_').removesuffix('_ratio')} {v:.3f}"
+                          for k, v in r.items() if k.startswith("median_")))
+    print(f"-> {out}")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def _timed_generate(eng, requests: list[Request]) -> dict:
 
 
 def _round(i: int, a: str, b: str, ra: dict, rb: dict) -> dict:
-    row = {a: ra, b: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"]}
+    row = {a: ra, b: rb, "ratio": ra["output_tok_per_s"] / rb["output_tok_per_s"], "loadavg_1m": os.getloadavg()[0]}
     print(f"round {i}: {a} {ra['output_tok_per_s']:.0f} tok/s, {b} {rb['output_tok_per_s']:.0f} tok/s, "
           f"ratio {row['ratio']:.3f}", flush=True)
     return row
@@ -197,13 +197,15 @@ def _round(i: int, a: str, b: str, ra: dict, rb: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["vllm", "overlap", "radix", "overhead"])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="a preset, a named model, or an HF directory")
+    ap.add_argument("--name", default=None, help="result file tag (default: --model's basename)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default="throughput", help=f"vllm: comma-separated, of {sorted(SHAPES)}")
     ap.add_argument("--batches", default="64,256", help="overhead: decode batch sizes (1 = the fixed cost a step)")
     args = ap.parse_args()
+    args.name = args.name or Path(args.model).name
     base = {"dtype": args.dtype, "page_size": 16, "max_running_requests": 256}
     ours = lambda wl, **kw: (lambda: _ours_subprocess(args, wl, {**base, **kw}))  # noqa: E731
     if args.what == "vllm":
@@ -224,9 +226,10 @@ def main() -> None:
             us = r["metrics"].get("overhead_per_req_step_us", 0)
             n = int(name.removeprefix("batch"))
             print(f"{name}: {us:.1f} us per request per decode step, {us * n:.0f} us per step")
-    res.update({"model": args.model, "dtype": args.dtype, "threads": args.threads}) if isinstance(res, dict) else None
+    res.update({"model": args.name, "model_dir": args.model, "dtype": args.dtype, "threads": args.threads,
+                "loadavg_1m": os.getloadavg()[0]}) if isinstance(res, dict) else None
     tag = f"_b{args.batches.replace(',', '-')}" if args.what == "overhead" and args.batches != "64,256" else ""
-    out = ROOT / "docs/results" / f"throughput_{args.what}_{args.model}{tag}.json"
+    out = ROOT / "docs/results" / f"throughput_{args.what}_{args.name}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")

@@ -119,10 +119,12 @@ def timed_run(llm, requests: list[Request], repeats: int = 1) -> dict:
 
 
 def serve(llm, args: argparse.Namespace, vocab: int) -> None:
+    from vllm import __version__ as version
+
     print("READY", flush=True)
     for line in sys.stdin:
         reqs = named_workload(line.strip(), n=args.num_requests, vocab_size=vocab, seed=args.seed)
-        print("RESULT " + json.dumps(timed_run(llm, reqs)), flush=True)
+        print("RESULT " + json.dumps({"version": version, **timed_run(llm, reqs)}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
