@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests/server"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests/support"))
 from worker_process import Worker  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

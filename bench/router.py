@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests/server"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests/support"))
 from worker_process import Worker, free_port, sglang_router  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests/server"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests/support"))
 from throughput import VLLM_PYTHON  # noqa: E402
 from worker_process import Worker, free_port  # noqa: E402
 from workloads import Request, throughput_workload  # noqa: E402

@@ -26,7 +26,6 @@ from tandem.worker_contract import BOOTSTRAP_PORT_NAME, GENERATION_LABEL, HTTP_P
 
 pytest.importorskip("kmock", reason="pip install kmock (operator-test)")
 pytest.importorskip("kubernetes", reason="pip install kubernetes (the router's discovery)")
-sys.path.append(str(Path(__file__).parent / "operator"))  # the operator tests' kmock API server
 from operator_kmock import KmockCluster, free_port, wait_for  # noqa: E402
 
 from tandem.router.discovery import PodDiscovery  # noqa: E402

@@ -168,9 +168,7 @@ def _pod_events(role: str, uid: str, ip: str, generation: str = "g1") -> list[tu
     """A pod's life as the API server reports it, built from the operator's own pod template:
     created (not ready), ready, marked for deletion (still Ready while it drains), deleted."""
     import copy
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent / "operator"))
     from operator_support import EXAMPLES_DIR, load_example
 
     from tandem.operator.reconcile import reconcile

@@ -6,18 +6,15 @@ contract, and its engine.yaml must build the engine's config: the two sides cann
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from operator_support import by_kind, example_paths, load_example, render
 
 from tandem import worker_contract as contract
 from tandem.engine.engine_config import EngineConfig
-
-sys.path.insert(0, str(Path(__file__).parent / "operator"))
-from operator_support import by_kind, example_paths, load_example, render  # noqa: E402
 
 
 def test_argv_round_trip() -> None:

@@ -1,13 +1,8 @@
-"""Server tests: real `tandem serve` processes (tests/server/worker_process.py)."""
+"""Server tests: real `tandem serve` processes (tests/support/worker_process.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from worker_process import Worker  # noqa: E402
 
 pytest.importorskip("fastapi")

@@ -7,21 +7,17 @@ The worker's rejection is also checked in process (no model): JsonBodies runs be
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+from bad_bodies import BAD_BODIES
 from starlette.testclient import TestClient
 from worker_process import Worker
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.server.app import build_app
 from tandem.server.config import ServerConfig
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from test_router_requests import BAD_BODIES  # noqa: E402
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 WORKER_KEY, ROUTER_KEY, ADMIN_KEY = "worker-key", "client-key", "admin-key"

@@ -4,17 +4,14 @@ pointed at local files and the port moved to a free one."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from operator_support import by_kind, example_paths, load_example, render
 from pd_client import pd_post
 from worker_process import Worker, free_port
 
 from tandem import worker_contract as contract
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-from operator_support import by_kind, example_paths, load_example, render  # noqa: E402
 
 
 def _rendered() -> dict[str, tuple[list[str], dict[str, str], str]]:

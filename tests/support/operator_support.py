@@ -1,5 +1,5 @@
-"""Helpers shared by the operator tests (a uniquely named module, so it never clashes with another
-`conftest` on sys.path): paths, example CRs, offline Kubernetes schema validation."""
+"""Helpers shared by the operator tests: paths, example CRs, offline Kubernetes schema
+validation. tests/support is on sys.path through pytest's `pythonpath`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # tests/support/ -> the repo root
 EXAMPLES_DIR = REPO / "examples"
 CHART_DIR = REPO / "charts" / "tandem"
 KUBE_VERSIONS = ("1.30", "1.33")
