@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.transfer.nixl_agent import NixlTransfer
+from tandem.pd.transfer.nixl_agent import NixlTransfer
 from tandem.protocol.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,11 +26,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-ALLOWED, REFUSED, PENDING = "allowed", "refused", "pending"
+class Verdict(StrEnum):
+    ALLOWED = "allowed"
+    REFUSED = "refused"
+    PENDING = "pending"  # its name is being resolved: ask again on a later loop
 
 
 @dataclass(frozen=True)
@@ -95,25 +99,25 @@ class Allowlist:
         self._result: dict[str, frozenset[str]] | None = None
         self._refresh()
 
-    def check(self, host: str, port: int) -> tuple[str, str]:
+    def check(self, host: str, port: int) -> tuple[Verdict, str]:
         """(ALLOWED, the peer's key) or (REFUSED | PENDING, "")."""
         name = canonical_host(host)
         same_port = [p for p in self.peers if p.port == port]
         if name is None or not same_port:
-            return REFUSED, ""
+            return Verdict.REFUSED, ""
         addr = PeerAddress(name, port)
         if any(p.host == name for p in same_port):
-            return ALLOWED, addr.key
+            return Verdict.ALLOWED, addr.key
         if not is_ip(name):
-            return REFUSED, ""  # names match literally: a request's name is never resolved
+            return Verdict.REFUSED, ""  # names match literally: a request's name is never resolved
         self._collect()
         if any(name in self.addrs.get(p.host, ()) for p in same_port):
-            return ALLOWED, addr.key
+            return Verdict.ALLOWED, addr.key
         if self._thread is not None:
-            return PENDING, ""
+            return Verdict.PENDING, ""
         if time.monotonic() - self.resolved_at >= self.min_interval and self._refresh():
-            return PENDING, ""  # a pod that just came up may not have been in the last answer
-        return REFUSED, ""
+            return Verdict.PENDING, ""  # a pod that just came up may not have been in the last answer
+        return Verdict.REFUSED, ""
 
     def refusal(self, host: str, port: int) -> str:
         """Why a request naming host:port is refused (a 400: a client's error, not a PD fault)."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
+from tandem.decode.incoming import Incoming
 from tandem.decode.peers import PrefillPeers
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class Arrival:
         self.refused = 0
         self._warned_at = -60.0
 
-    def note(self, agent: str, data: bytes, rooms: dict[int, Any]) -> tuple[Any, int | None] | None:
+    def note(self, agent: str, data: bytes, rooms: dict[int, Incoming]) -> tuple[Incoming, int | None] | None:
         """(the room's Incoming, the chunk total if this was the last chunk), or None: a
         notification to ignore (malformed, from the wrong agent, or for a room that ended)."""
         try:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.transfer.setup import TransferParts, refused
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.parts import TransferParts, refused
 
 log = logging.getLogger(__name__)
 

@@ -23,21 +23,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tandem.decode.allowlist import ALLOWED, REFUSED, Allowlist
+from tandem.decode.allowlist import Allowlist, Verdict
 from tandem.decode.arrival import Arrival
 from tandem.decode.incoming import Incoming, Stage
 from tandem.decode.peers import PrefillPeers
 from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
-from tandem.engine.transfer.control import PeerDown, PeerMsg
-from tandem.engine.transfer.first_token import FirstTokenSlots
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.channel import PeerDown, PeerMsg
+from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.protocol.messages import GenerateReq
+
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.pd.transfer.contract import KVTransfer
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class DecodeReceiver:
 
     contiguous_pages = True  # arriving KV lands in runs of pages: fewer transfer descriptors
 
-    def __init__(self, sched: Any, transfer: Any, peers: PrefillPeers, slots: FirstTokenSlots,
+    def __init__(self, sched: Scheduler, transfer: KVTransfer, peers: PrefillPeers, slots: FirstTokenSlots,
                  allow: Allowlist) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.transfer, self.peers, self.slots, self.allow = transfer, peers, slots, allow
@@ -81,10 +85,10 @@ class DecodeReceiver:
         """Start the handshake with the request's prefill if decode may talk to it (allowlist.py);
         a PENDING one is placed again at the next poll."""
         verdict, key = self.allow.check(inc.host, inc.port)
-        if verdict == REFUSED:
+        if verdict is Verdict.REFUSED:
             self.stats["refused_addresses"] += 1
             self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
-        elif verdict == ALLOWED:
+        elif verdict is Verdict.ALLOWED:
             inc.peer, inc.stage = key, Stage.PREALLOC if self.peers.get(key).ready else Stage.BOOTSTRAP
 
     def abort(self, rid: str) -> bool:
@@ -126,7 +130,7 @@ class DecodeReceiver:
         self.peers.drop(m.peer)
 
     # ---- the loop's poll ----------------------------------------------------------------------------
-    def on_batch_done(self, batch: Any) -> None:
+    def on_batch_done(self, batch: ScheduleBatch) -> None:
         """Nothing: a transferred request joins the running batch from poll."""
 
     def release(self, req: Req) -> bool:

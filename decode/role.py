@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from tandem.decode.allowlist import Allowlist, parse_peers
 from tandem.decode.peers import PrefillPeers
 from tandem.decode.receiver import DecodeReceiver
-from tandem.engine.transfer.setup import transfer_parts
+from tandem.pd.parts import transfer_parts
 from tandem.worker_contract import DECODE
 
 if TYPE_CHECKING:

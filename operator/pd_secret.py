@@ -22,7 +22,7 @@ from tandem.operator import names
 from tandem.operator.kubeapi import ApiError, KubeApi
 from tandem.operator.meta import child_meta
 from tandem.operator.spec import ServiceSpec
-from tandem.protocol.pd_secret import check_pd_secret, new_pd_secret
+from tandem.pd.secret import check_pd_secret, new_pd_secret
 
 KEY_LENGTH = 40  # Z85 of 32 bytes
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tandem.engine.transfer.setup import transfer_parts
+from tandem.pd.parts import transfer_parts
 from tandem.prefill.sender import PrefillSender
 from tandem.worker_contract import PREFILL
 

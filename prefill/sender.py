@@ -11,7 +11,7 @@ A request's life on prefill (one `Outgoing` per bootstrap room):
 
 The scheduler runs as colocated, with max_new_tokens forced to 1; this part takes the
 requests it admits until decode's pages arrive, sends after each prefill batch, and holds
-a finished request's KV (OutputProcessor.release) until NIXL reports its sends done.
+a finished request's KV (RolePart.release) until NIXL reports its sends done.
 Every way out (abort, decode's KVCancel, a failed send, a dead decode) ends in `_settle`,
 which releases the KV once no send is in flight and tells decode what happened.
 """
@@ -21,34 +21,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.scheduler.req import Req, finish_abort
-from tandem.engine.transfer.control import PeerDown, PeerMsg
-from tandem.engine.transfer.setup import TransferParts, refused
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.channel import PeerDown, PeerMsg
+from tandem.pd.parts import TransferParts, refused
+from tandem.prefill.outgoing import Early, Outgoing, Phase
 from tandem.protocol.messages import GenerateReq
+
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+    from tandem.engine.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096  # decode messages waiting for their request: oldest dropped beyond this
-
-
-@dataclass(eq=False)
-class Outgoing:
-    req: Req
-    room: int
-    since: float
-    dest: pd.KVDest | None = None
-    peer: str = ""  # the decode rank that sent dest
-    sent_upto: int = 0  # prompt positions whose pages are sent (or that decode had)
-    chunks: int = 0
-    in_flight: int = 0  # sends not yet reported by NIXL
-    slot: int | None = None  # local first-token slot of the last send
-    ended: str | None = None  # why no more sends happen: "sent", or an error
-    tell: str | None = None  # KVCancel decode with this once settled (nothing in flight)
-    cancel_ack: bool = False  # decode asked to cancel: answer KVCancelled once settled
 
 
 class PrefillSender:
@@ -56,14 +44,14 @@ class PrefillSender:
 
     contiguous_pages = True  # a request's KV leaves in runs of pages: fewer transfer descriptors
 
-    def __init__(self, sched: Any, parts: TransferParts) -> None:
+    def __init__(self, sched: Scheduler, parts: TransferParts) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, str] = {}  # decode name -> its NIXL agent name
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
-        self.early: dict[int, tuple[Any, float]] = {}  # a decode message that beat its request
+        self.early: dict[int, Early] = {}
         # page_runs (counted by the transfer) / pages_sent: how scattered sends are (a run of consecutive pages on both
         # sides is one descriptor per layer and K/V; docs/pd.md, bandwidth).
         self.stats = {"handshakes": 0, "handshake_failures": 0, "kv_bytes_sent": 0, "sends": 0,
@@ -82,11 +70,11 @@ class PrefillSender:
             self._finish(req, f"bootstrap_room {og.room} is already in use")
             return True
         self.rooms[og.room], self.by_rid[req.rid] = og, og
-        early, _ = self.early.pop(og.room, (None, 0.0))
-        if isinstance(early, tuple):
-            self._take_dest(og, *early)
-        elif isinstance(early, pd.KVCancel):
-            self._end(og, f"cancelled by decode: {early.reason}", ack=False)
+        early = self.early.pop(og.room, None)
+        if early is not None and early.dest is not None:
+            self._take_dest(og, early.peer, early.dest)
+        elif early is not None and early.cancel is not None:
+            self._end(og, f"cancelled by decode: {early.cancel}", ack=False)
         return True
 
     def abort(self, rid: str) -> bool:
@@ -104,7 +92,7 @@ class PrefillSender:
             self._end(og, f"decode's pages do not fit this prompt ({len(dest.pages)} pages for "
                           f"{n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode)")
             return
-        og.dest, og.peer, og.sent_upto = dest, peer, dest.skip
+        og.dest, og.peer, og.sent_upto, og.phase = dest, peer, dest.skip, Phase.SENDING
         self.sched.prefill.add(og.req)
 
     # ---- control messages ------------------------------------------------------------------------
@@ -134,8 +122,8 @@ class PrefillSender:
             return
         og = self.rooms.get(dest.room)
         if og is None:
-            self._keep_early(dest.room, (peer, dest))
-        elif og.dest is None and og.ended is None:
+            self._keep_early(dest.room, Early(time.monotonic(), peer, dest=dest))
+        elif og.phase is Phase.AWAITING_DEST:
             self._take_dest(og, peer, dest)
 
     def on_cancel(self, peer: str, msg: pd.KVCancel) -> None:
@@ -143,7 +131,7 @@ class PrefillSender:
         if peer not in self.peers or (og is not None and og.peer not in ("", peer)):
             return  # only a decode with a handshake cancels, and only its own rooms
         if og is None:  # not here yet, or settled already: either way nothing will be written
-            self._keep_early(msg.room, msg)
+            self._keep_early(msg.room, Early(time.monotonic(), peer, cancel=msg.reason))
             self.channel.send(peer, pd.KVCancelled(msg.room))
             return
         og.cancel_ack = og.peer == peer or not og.peer
@@ -160,17 +148,17 @@ class PrefillSender:
             self.transfer.remove_peer(agent)  # its unfinished sends come back failed from poll
         self.poll()
 
-    def _keep_early(self, room: int, msg: Any) -> None:
+    def _keep_early(self, room: int, early: Early) -> None:
         if len(self.early) >= MAX_EARLY:  # bounded: a decode sending for rooms that never come
             del self.early[next(iter(self.early))]
-        self.early[room] = (msg, time.monotonic())
+        self.early[room] = early
 
     # ---- sending -------------------------------------------------------------------------------------
-    def on_batch_done(self, batch: Any) -> None:
+    def on_batch_done(self, batch: ScheduleBatch) -> None:
         """After a prefill batch: send the pages each PD request's chunk completed."""
         for i, req in enumerate(batch.reqs[: batch.num_extend_reqs]):
             og = self.by_rid.get(req.rid)
-            if og is None or og.dest is None or og.ended is not None:
+            if og is None or not og.sending:
                 continue
             if req.finished() and not req.output_ids:  # aborted mid-prefill
                 self._end(og, req.finished_reason.message if req.finished_reason else "aborted")
@@ -209,7 +197,7 @@ class PrefillSender:
         self.stats["pages_sent"] += len(src)
         self.stats["kv_bytes_sent"] += len(src) * self.layout.page_bytes * 2 * self.layout.num_layers
         if last:
-            og.ended = "sent"
+            og.phase = Phase.SENT
 
     def poll(self) -> None:
         self.channel.check()  # a dead control thread stops the scheduler: liveness fails
@@ -225,14 +213,14 @@ class PrefillSender:
             self._settle(og)
         now = time.monotonic()
         for og in list(self.rooms.values()):
-            if og.dest is None and og.ended is None and now - og.since > self.cfg.pd_bootstrap_timeout:
+            if og.phase is Phase.AWAITING_DEST and now - og.since > self.cfg.pd_bootstrap_timeout:
                 self.stats["bootstrap_timeouts"] += 1
                 # 408, not 503: this prefill is sound, the request's other half never came (a decode
                 # that died first answers its own client; a client posting here alone gets a 4xx).
                 self._end(og, f"no decode claimed this request within {self.cfg.pd_bootstrap_timeout:.0f} s",
                           status=408)
-        for room, (_, t) in list(self.early.items()):
-            if now - t > 2 * self.cfg.pd_bootstrap_timeout:
+        for room, early in list(self.early.items()):
+            if now - early.at > 2 * self.cfg.pd_bootstrap_timeout:
                 del self.early[room]
 
     # ---- the end of a room ---------------------------------------------------------------------------
@@ -240,10 +228,10 @@ class PrefillSender:
         """No more sends for this room: stop the request where it is, then settle. `ack` False:
         decode asked for it (its client aborted, or it prefills the request itself): not an
         error of this request, so its HTTP answer is a 200 with finish_reason abort."""
-        if og.ended is not None and not override:
+        if og.phase in (Phase.SENT, Phase.ENDED) and not override:
             self._settle(og)
             return
-        og.ended = why
+        og.phase, og.why = Phase.ENDED, why
         req = og.req
         reason = finish_abort(why, status if ack else 200)
         if not req.finished():
@@ -267,7 +255,7 @@ class PrefillSender:
     def _settle(self, og: Outgoing) -> None:
         """Release the room once its request is finished, no more sends will start and
         every started one has been reported."""
-        if not (og.req.finished() and og.in_flight == 0 and (og.ended is not None or og.dest is None)):
+        if not (og.req.finished() and og.in_flight == 0 and not og.sending):
             return
         self.cache.release(og.req)
         if og.slot is not None:

@@ -62,7 +62,7 @@ ENV_KV_BACKEND = "TANDEM_KV_BACKEND"
 ENV_KV_PORT_BASE = "TANDEM_KV_PORT_BASE"
 ENV_KV_PORT_COUNT = "TANDEM_KV_PORT_COUNT"
 ENV_UCX_TLS, ENV_UCX_NET_DEVICES = "UCX_TLS", "UCX_NET_DEVICES"
-# The PD control channel's shared CURVE key (tandem/protocol/pd_secret.py): the same on every
+# The PD control channel's shared CURVE key (tandem/pd/secret.py): the same on every
 # prefill and decode pod of an InferenceService, from a Secret's PD_SECRET_KEY. Env only: a flag
 # would show in `ps`.
 ENV_PD_SECRET, PD_SECRET_KEY = "TANDEM_PD_SECRET", "pd-secret"

@@ -72,7 +72,7 @@ def test_workers_get_disjoint_cores(tmp_path):
 
 
 def test_pd_workers_share_a_secret_made_for_the_run(tmp_path):
-    from tandem.protocol.pd_secret import check_pd_secret
+    from tandem.pd.secret import check_pd_secret
 
     comps, other_run = plan(_cfg(tmp_path, prefill=2, decode=2)), plan(_cfg(tmp_path))
     secrets = {c.env.get(contract.ENV_PD_SECRET) for c in comps if c.name != ROUTER}

@@ -27,6 +27,7 @@ def test_operator_protocol_and_cli_never_import_torch() -> None:
     code = (
         "import sys; import tandem.cli, tandem.operator.reconcile, tandem.metric_names, tandem.worker_contract;"
         "import tandem.protocol.messages, tandem.protocol.openai_api, tandem.protocol.kv_layout;"
+        "import tandem.pd, tandem.pd.protocol, tandem.pd.secret;"
         "tandem.cli.build_parser();"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
@@ -45,7 +46,7 @@ def test_engine_imports_no_role_and_roles_implement_the_seam() -> None:
 
     engine = Path(__file__).parents[1] / "engine"
     offenders = [str(p) for p in engine.rglob("*.py")
-                 if "tandem.prefill" in p.read_text() or "tandem.decode" in p.read_text()]
+                 if any(role in p.read_text() for role in ("tandem.prefill", "tandem.decode", "tandem.pd"))]
     assert not offenders
     hooks = [name for name, _ in inspect.getmembers(RolePart, inspect.isfunction) if not name.startswith("_")]
     assert {"admit", "abort", "poll", "on_batch_done", "release", "busy", "check_integrity", "status"} <= set(hooks)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tandem import worker_contract as contract
-from tandem.protocol.pd_secret import new_pd_secret
+from tandem.pd.secret import new_pd_secret
 
 ROUTER = "router"
 # The worker's own entry point, so that a venv without the console script on PATH still works.

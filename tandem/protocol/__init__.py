@@ -6,5 +6,5 @@
 
 - `kv_layout`: a worker's KV buffer as a transfer agent sees it (exchanged in the PD handshake).
 
-The prefill <-> decode bootstrap and handshake messages join this package with the PD issue.
+The prefill <-> decode messages live with the rest of PD, in `tandem.pd.protocol`.
 """

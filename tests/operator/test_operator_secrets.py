@@ -23,7 +23,7 @@ from tandem.operator.crd import spec_schema
 from tandem.operator.kubeapi import KubeApi
 from tandem.operator.reconcile import reconcile
 from tandem.operator.spec import SpecError, parse_service
-from tandem.protocol.pd_secret import check_pd_secret, new_pd_secret
+from tandem.pd.secret import check_pd_secret, new_pd_secret
 
 KEY_REF = {"name": "llama-api", "key": "token"}
 SECRET_PATH = f"/api/v1/namespaces/default/secrets/{names.pd_secret_name('llama3-8b')}"
@@ -39,7 +39,7 @@ def keyed_cr(minimal_cr: dict[str, Any]) -> dict[str, Any]:
 # --- Z85 --------------------------------------------------------------------------------------------
 
 def test_pd_secrets_are_curve_keys_pyzmq_takes() -> None:
-    """The operator makes its keys with the workers' own function (tandem/protocol/pd_secret.py):
+    """The operator makes its keys with the workers' own function (tandem/pd/secret.py):
     40 Z85 characters that pyzmq decodes to 32 bytes, each new; malformed ones are refused."""
     zmq_z85 = pytest.importorskip("zmq.utils.z85")
     keys = {new_pd_secret() for _ in range(50)}

@@ -46,7 +46,7 @@ def _start(command: list[str], env: dict[str, str], yaml_text: str, model: str, 
 
 
 def test_prefill_and_decode_pods_serve_disaggregated_as_rendered(model_path, tmp_path) -> None:
-    pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+    pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
     pods = _rendered()
     model, bootstrap = str(model_path("tiny")), free_port()
     command, env, text = pods[contract.DECODE]

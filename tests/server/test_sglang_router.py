@@ -53,7 +53,7 @@ def test_sglang_router_fronts_two_workers(model_path) -> None:
 def test_sglang_router_pd_mode_fronts_our_prefill_and_decode(model_path) -> None:
     """`launch_router --pd-disaggregation --prefill URL BOOTSTRAP_PORT --decode URL`: the router
     adds bootstrap_host/port/room and sends to both; our decode streams the Engine's text."""
-    pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+    pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
     model = model_path("tiny")
     prompts = [f"disaggregated request {i} " * 6 for i in range(4)]  # past the local-prefill threshold
     with Engine(str(model), dtype="float32") as eng:

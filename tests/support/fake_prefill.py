@@ -16,9 +16,9 @@ import threading
 import zmq
 from worker_process import PD_SECRET
 
-from tandem.engine.transfer.control_auth import CurveKeys
 from tandem.local.plan import free_port
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.auth import CurveKeys
 
 MODES = ("silent", "empty", "garbage", "bad-agent")
 

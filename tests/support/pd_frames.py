@@ -1,5 +1,5 @@
-"""Hostile input for the PD control channel (engine/transfer/control.py), shared by the
-in-process fuzz test (tests/test_pd_control_fuzz.py) and the live one (test_pd_faults.py):
+"""Hostile input for the PD control channel (tandem/pd/control/channel.py), shared by the
+in-process fuzz test (tests/pd/test_pd_control_fuzz.py) and the live one (test_pd_faults.py):
 hypothesis strategies for whole messages as a peer sends them (any frame count, random
 bytes, random JSON, PD messages with wrong fields) and the frames that once killed the io
 thread, plus `fuzz_one`, which sends one message from a fresh DEALER and checks the channel
@@ -15,8 +15,8 @@ from typing import Any
 import zmq
 from hypothesis import strategies as st
 
-from tandem.engine.transfer.control_auth import CurveKeys
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.auth import CurveKeys
 
 # The frames that stopped the io thread before it checked what it read.
 KILLERS = [b"[]", b"1", b"null", b'"x"', b"[" * 200_000, b"\xff\xfe\x00", b"",

@@ -18,7 +18,7 @@ import httpx
 
 from tandem import worker_contract as contract
 from tandem.local.plan import free_port
-from tandem.protocol.pd_secret import new_pd_secret
+from tandem.pd.secret import new_pd_secret
 
 # Every worker a test starts shares one PD secret (the control channel runs CURVE, as in a
 # cluster); env={ENV_PD_SECRET: ""} starts one without.

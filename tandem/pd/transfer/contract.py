@@ -1,7 +1,7 @@
 """The KV transfer contract: one-sided WRITEs of whole KV pages into a peer's pool.
 
 Every implementation (today: NIXL, nixl_agent.py) behaves as stated here, and
-tests/test_kv_transfer.py runs the same contract test over each.
+tests/pd/test_kv_transfer.py runs the same contract test over each.
 
     t = Transfer(name)
     meta = t.register(pool.layout(), slots)   # once: the KV buffer (+ first-token slots)
@@ -11,7 +11,7 @@ tests/test_kv_transfer.py runs the same contract test over each.
 
 Side effects the callers rely on:
 - `send` moves every layer's K and V of each source page into the matching destination
-  page, and with `slot` one first-token slot (tandem.protocol.pd.MetaRegion), in the
+  page, and with `slot` one first-token slot (tandem.pd.protocol.MetaRegion), in the
   same transfer: the notification covers both. The caller keeps the source pages
   allocated (and unmodified) until `poll` reports
   that room's send finished, ok or not: the engine reads them asynchronously.
@@ -34,8 +34,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem.pd.protocol import MetaRegion
 from tandem.protocol.kv_layout import KVLayout
-from tandem.protocol.pd import MetaRegion
 
 
 class TransferError(ValueError):

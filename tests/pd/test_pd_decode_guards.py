@@ -1,7 +1,7 @@
 """What decode takes from outside, checked before use: the prefill address a request names
 (decode/allowlist.py), the KV notifications and the first-token slot prefill writes
-(decode/arrival.py, engine/transfer/first_token.py), and what a refused handshake tells
-the peer (engine/transfer/setup.py). The PD secret's format (tandem/protocol/pd_secret.py)."""
+(decode/arrival.py, tandem/pd/transfer/first_token.py), and what a refused handshake tells
+the peer (tandem/pd/parts.py). The PD secret's format (tandem/pd/secret.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from tandem.decode.allowlist import ALLOWED, PENDING, REFUSED, Allowlist, PeerAddress, parse_peers
+from tandem.decode.allowlist import Allowlist, PeerAddress, Verdict, parse_peers
 from tandem.decode.arrival import Arrival
-from tandem.engine.transfer.first_token import MAX_TOP, FirstTokenSlots
-from tandem.engine.transfer.setup import refused
-from tandem.protocol import pd
-from tandem.protocol.pd_secret import check_pd_secret, new_pd_secret
+from tandem.pd import protocol as pd
+from tandem.pd.parts import refused
+from tandem.pd.secret import check_pd_secret, new_pd_secret
+from tandem.pd.transfer.first_token import MAX_TOP, FirstTokenSlots
 
 
 def _resolver(table: dict[str, list[str]], calls: list[str], gate: threading.Event | None = None):
@@ -36,7 +36,7 @@ def _resolver(table: dict[str, list[str]], calls: list[str], gate: threading.Eve
 
 def _settle(allow: Allowlist, host: str, port: int, timeout: float = 5.0) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
-    while (got := allow.check(host, port))[0] == PENDING and time.monotonic() < deadline:
+    while (got := allow.check(host, port))[0] == Verdict.PENDING and time.monotonic() < deadline:
         time.sleep(0.01)
     return got
 
@@ -56,13 +56,13 @@ def test_only_configured_peers_and_what_they_resolve_to() -> None:
     calls: list[str] = []
     allow = Allowlist(parse_peers("prefill-svc:8998,127.0.0.1:9000"),
                       resolve=_resolver({"prefill-svc": ["10.0.0.5", "10.0.0.6"]}, calls))
-    assert _settle(allow, "10.0.0.5", 8998) == (ALLOWED, "10.0.0.5:8998")  # a pod behind the Service
-    assert allow.check("PREFILL-SVC", 8998) == (ALLOWED, "prefill-svc:8998")
-    assert allow.check("127.0.0.1", 9000) == (ALLOWED, "127.0.0.1:9000")
+    assert _settle(allow, "10.0.0.5", 8998) == (Verdict.ALLOWED, "10.0.0.5:8998")  # a pod behind the Service
+    assert allow.check("PREFILL-SVC", 8998) == (Verdict.ALLOWED, "prefill-svc:8998")
+    assert allow.check("127.0.0.1", 9000) == (Verdict.ALLOWED, "127.0.0.1:9000")
     for host, port in (("*", 8998), ("127.0.0.1", 1), ("10.0.0.5", 9001), ("evil.example.com", 8998),
                        ("127.0.0.1", 8998), ("", 8998), ("a b", 8998), ("10.0.0.5:1", 8998)):
-        assert allow.check(host, port)[0] in (REFUSED, PENDING), (host, port)
-        assert _settle(allow, host, port)[0] == REFUSED, (host, port)
+        assert allow.check(host, port)[0] in (Verdict.REFUSED, Verdict.PENDING), (host, port)
+        assert _settle(allow, host, port)[0] == Verdict.REFUSED, (host, port)
     assert "evil.example.com" not in calls and "*" not in calls  # a request's names are never looked up
     n = len(calls)
     for _ in range(20):  # misses within min_interval ask DNS no more
@@ -74,21 +74,21 @@ def test_a_new_pod_is_found_on_a_miss_without_blocking() -> None:
     table, calls, gate = {"prefill-svc": ["10.0.0.5"]}, [], threading.Event()
     gate.set()
     allow = Allowlist(parse_peers("prefill-svc:8998"), min_interval=0.0, resolve=_resolver(table, calls, gate))
-    assert _settle(allow, "10.0.0.5", 8998)[0] == ALLOWED
+    assert _settle(allow, "10.0.0.5", 8998)[0] == Verdict.ALLOWED
     table["prefill-svc"] = ["10.0.0.5", "10.0.0.7"]  # scaled up
     gate.clear()  # DNS hangs now
     t0 = time.monotonic()
-    assert allow.check("10.0.0.7", 8998)[0] == PENDING and allow.check("10.0.0.7", 8998)[0] == PENDING
+    assert allow.check("10.0.0.7", 8998)[0] == Verdict.PENDING and allow.check("10.0.0.7", 8998)[0] == Verdict.PENDING
     assert time.monotonic() - t0 < 0.5  # the scheduler never waits on DNS
     gate.set()
-    assert _settle(allow, "10.0.0.7", 8998) == (ALLOWED, "10.0.0.7:8998")
+    assert _settle(allow, "10.0.0.7", 8998) == (Verdict.ALLOWED, "10.0.0.7:8998")
     del table["prefill-svc"]  # DNS fails: what it resolved to before still holds
-    assert _settle(allow, "10.0.0.5", 8998)[0] == ALLOWED
+    assert _settle(allow, "10.0.0.5", 8998)[0] == Verdict.ALLOWED
 
 
 def test_refusals_say_why() -> None:
     assert "no --pd-prefill-peers" in Allowlist([]).refusal("10.0.0.5", 8998)
-    assert Allowlist([]).check("127.0.0.1", 8998)[0] == REFUSED
+    assert Allowlist([]).check("127.0.0.1", 8998)[0] == Verdict.REFUSED
     assert "'*':8998 is not a prefill peer" in Allowlist(parse_peers("p:8998")).refusal("*", 8998)
 
 

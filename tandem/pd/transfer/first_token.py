@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from tandem.protocol.pd import MetaRegion
+from tandem.pd.protocol import MetaRegion
 
 MAX_TOP = 20  # the OpenAI limit on top_logprobs
 WIDTH = 3 + 2 * MAX_TOP

@@ -1,4 +1,4 @@
-"""The PD control channel against hostile peers (engine/transfer/control.py, tandem/protocol/pd.py).
+"""The PD control channel against hostile peers (tandem/pd/control/channel.py, tandem/pd/protocol.py).
 
 A real prefill ControlChannel listens on 127.0.0.1, unauthenticated and with CURVE: fuzzed
 messages (any frame count, random bytes and JSON, wrong field types, huge ints, 200k
@@ -18,13 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd_frames import KILLERS, fuzz_one, identities, messages
 
-from tandem.engine.transfer import control
-from tandem.engine.transfer.control import ChannelDead, ControlChannel, PeerDown, PeerMsg
-from tandem.engine.transfer.control_auth import CurveKeys
 from tandem.local.plan import free_port
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control import channel as control
+from tandem.pd.control.auth import CurveKeys
+from tandem.pd.control.channel import ChannelDead, ControlChannel, PeerDown, PeerMsg
+from tandem.pd.secret import new_pd_secret
 from tandem.protocol.kv_layout import KVLayout
-from tandem.protocol.pd_secret import new_pd_secret
 
 SECRET = new_pd_secret()
 IDENTITY = pd.Identity(pd.PD_VERSION, "0123abcd", "float32", 16, 2, 2, 8)

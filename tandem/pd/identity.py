@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from tandem.protocol.pd import PD_VERSION, Identity
+from tandem.pd.protocol import PD_VERSION, Identity
 
 
 def model_id(model_path: str) -> str:

@@ -1,6 +1,6 @@
 """The PD secret: one key shared by every prefill and decode worker of a deployment.
 
-It authenticates the PD control channel (ZMQ CURVE, engine/transfer/control_auth.py):
+It authenticates the PD control channel (ZMQ CURVE, tandem/pd/control/auth.py):
 every worker uses it as its CURVE secret key and derives the one public key a peer must
 present. It is 32 random bytes in Z85 (40 characters of ZMQ's base-85 alphabet), which
 is how libzmq takes a CURVE key. torch-free and zmq-free: the operator creates one per

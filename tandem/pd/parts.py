@@ -10,15 +10,18 @@ import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.engine.transfer.base import TransferError
-from tandem.engine.transfer.control import ControlChannel
-from tandem.engine.transfer.first_token import FirstTokenSlots
-from tandem.engine.transfer.identity import identity_of
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.channel import ControlChannel
+from tandem.pd.identity import identity_of
+from tandem.pd.transfer.contract import KVTransfer, TransferError
+from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.protocol.kv_layout import KVLayout
 from tandem.worker_contract import DEFAULT_KV_PORT_COUNT, ENV_KV_PORT_BASE, ENV_KV_PORT_COUNT, ENV_PD_SECRET
+
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.scheduler import Scheduler
 
 
 def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
@@ -31,7 +34,7 @@ def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ig
 
 @dataclass
 class TransferParts:
-    transfer: Any  # a KVTransfer (engine/transfer/base.py)
+    transfer: KVTransfer
     channel: ControlChannel
     identity: pd.Identity
     layout: KVLayout
@@ -75,8 +78,8 @@ def refused(problems: list[str], detail: bool) -> str:
     return "PD handshake refused: mismatch in " + ", ".join(p.split(":", 1)[0] for p in problems)
 
 
-def transfer_parts(sched: Any, model_path: str, role: str) -> TransferParts:
-    from tandem.engine.transfer.nixl_agent import NixlTransfer
+def transfer_parts(sched: Scheduler, model_path: str, role: str) -> TransferParts:
+    from tandem.pd.transfer.nixl_agent import NixlTransfer
 
     confine_ucx_ports()
     cfg = sched.config

@@ -16,7 +16,7 @@ import pytest
 from pd_client import pd_generate, pd_post, pd_stats
 from worker_process import Worker, free_port
 
-pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
 
 FAST = ("--pd-heartbeat-interval", "0.5", "--pd-heartbeat-timeout", "3", "--pd-bootstrap-timeout", "4",
         "--pd-transfer-timeout", "8", "--max-total-tokens", "4096")

@@ -1,4 +1,4 @@
-"""The KV transfer contract (engine/transfer/base.py) over every implementation: whole
+"""The KV transfer contract (tandem/pd/transfer/contract.py) over every implementation: whole
 pages of every layer's K and V land in the peer's pages, the notification arrives after
 them, nothing else is touched, mismatched layouts are refused; in one process and
 between two processes (the real NIXL/UCX path, on CPU memory)."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.transfer.base import Events
-from tandem.engine.transfer.pages import descriptors, page_runs
+from tandem.pd.transfer.contract import Events
+from tandem.pd.transfer.pages import descriptors, page_runs
 
-nixl_agent = pytest.importorskip("tandem.engine.transfer.nixl_agent")
+nixl_agent = pytest.importorskip("tandem.pd.transfer.nixl_agent")
 try:
     nixl_agent.nixl_api()
 except ImportError:
@@ -102,7 +102,7 @@ def test_pages_land_with_their_notification(impl) -> None:
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_first_token_slot_lands_with_the_last_pages(impl) -> None:
-    from tandem.engine.transfer.first_token import FirstTokenSlots
+    from tandem.pd.transfer.first_token import FirstTokenSlots
 
     src_pool, dst_pool = pool(), pool(num_pages=24)
     src_pool.kv_buffer.normal_()
@@ -176,7 +176,7 @@ def test_between_two_processes(impl) -> None:
 def test_nixl_errors_fail_the_peer_or_the_send_never_the_caller(monkeypatch) -> None:
     """NIXL's own exceptions (nixlMismatchError, nixlBackendError, ...) come out as TransferError
     (a refused peer or send) or a failed SendDone: the scheduler loop calling them goes on."""
-    from tandem.engine.transfer.base import SendDone, TransferError
+    from tandem.pd.transfer.contract import SendDone, TransferError
 
     pools = pool(), pool()  # held: their buffers stay registered
     layout, other_layout = pools[0].layout(), pools[1].layout()

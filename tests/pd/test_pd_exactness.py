@@ -13,7 +13,7 @@ from worker_process import Worker
 
 from tandem import Engine
 
-pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
 
 SP = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 MAX_TOTAL = "8192"

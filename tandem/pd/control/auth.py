@@ -1,6 +1,6 @@
 """Who may talk on the PD control channel: ZMQ CURVE with one shared secret.
 
-Every worker of a deployment holds the same PD secret (tandem/protocol/pd_secret.py) and
+Every worker of a deployment holds the same PD secret (tandem/pd/secret.py) and
 uses it as its CURVE secret key, so all of them have the same public key:
 
     prefill ROUTER: CURVE server, secret key S   --ZAP-->  accepts a client only if its key is P
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
-from tandem.protocol.pd_secret import check_pd_secret
+from tandem.pd.secret import check_pd_secret
 
 log = logging.getLogger(__name__)
 

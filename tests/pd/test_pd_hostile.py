@@ -17,10 +17,10 @@ from pd_client import pd_generate
 from pd_frames import KILLERS, fuzz_one, identities, messages
 from worker_process import PD_SECRET, Worker
 
-from tandem.engine.transfer.control_auth import CurveKeys
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.auth import CurveKeys
 
-pytest.importorskip("tandem.engine.transfer.nixl_agent").nixl_api()
+pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
 
 FAST = ("--pd-heartbeat-interval", "0.5", "--pd-heartbeat-timeout", "3", "--pd-bootstrap-timeout", "4",
         "--pd-transfer-timeout", "8", "--max-total-tokens", "4096")

@@ -10,11 +10,11 @@ rank, torch-free and versioned (docs/pd.md has the sequence diagram).
                                         <---   KVCancelled(room): prefill writes nothing more there
     Heartbeat                           <-->   HeartbeatAck(instance): a new instance = a restart
 
-KV bytes never travel here: NIXL moves them (engine/transfer/). `bootstrap_room` (an
+KV bytes never travel here: NIXL moves them (tandem/pd/transfer/). `bootstrap_room` (an
 int chosen by the router) names a request on both sides; these messages carry it as `room`.
 
 Nothing a peer sends is trusted: `decode` checks every field against its schema
-(pd_schema.py: exact keys, types, bounds) and returns a well-typed message or raises
+(schema.py: exact keys, types, bounds) and returns a well-typed message or raises
 BadMessage, the one exception a receiver has to catch; `parse_notify` likewise.
 """
 
@@ -25,8 +25,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.protocol.pd_schema import BadMessage as BadMessage
-from tandem.protocol.pd_schema import Spec, boolean, int_list, record, text, uint
+from tandem.pd.schema import BadMessage as BadMessage
+from tandem.pd.schema import Spec, boolean, int_list, record, text, uint
 
 PD_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
@@ -37,7 +37,7 @@ class Identity:
     """What two workers must agree on to exchange KV pages."""
 
     version: int
-    model_id: str  # hash of the model's config and weight index (engine/transfer/identity.py)
+    model_id: str  # hash of the model's config and weight index (tandem/pd/identity.py)
     dtype: str
     page_size: int
     num_layers: int

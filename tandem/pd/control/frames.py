@@ -10,7 +10,7 @@ import time
 
 import zmq
 
-from tandem.protocol.pd import MAX_MESSAGE_BYTES
+from tandem.pd.protocol import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

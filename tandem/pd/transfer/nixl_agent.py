@@ -2,7 +2,7 @@
 
 NIXL ships one wheel per CUDA major (nixl_cu12, nixl_cu13, or the `nixl` meta package);
 whichever is installed is used. A send is one NIXL WRITE transfer of all its page runs
-(engine/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
+(tandem/pd/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.transfer.base import Events, KVTransfer, SendDone, TransferError
-from tandem.engine.transfer.pages import descriptors
+from tandem.pd.protocol import MetaRegion
+from tandem.pd.transfer.contract import Events, KVTransfer, SendDone, TransferError
+from tandem.pd.transfer.pages import descriptors
 from tandem.protocol.kv_layout import KVLayout
-from tandem.protocol.pd import MetaRegion
 
 log = logging.getLogger(__name__)
 

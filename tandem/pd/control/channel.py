@@ -15,9 +15,9 @@ answering known=False (it restarted and lost the handshake), becomes PeerDown in
 inbox, once, and is forgotten: the next request to it handshakes again.
 
 Hostile input (the bootstrap port is reachable from the network): frames are bounded,
-counted and checked (control_frames.py, pd.decode), bad ones dropped; a failing command
+counted and checked (frames.py, pd.decode), bad ones dropped; a failing command
 fails its peer, not the thread; per-peer state exists only for peers the scheduler
-connected or accepted; with a PD secret, CURVE (control_auth.py). Should the io thread die
+connected or accepted; with a PD secret, CURVE (auth.py). Should the io thread die
 anyway, `check()` raises ChannelDead on the scheduler thread, so the worker fails its
 liveness probe instead of staying Ready but deaf.
 """
@@ -34,9 +34,9 @@ from typing import Any
 
 import zmq
 
-from tandem.engine.transfer.control_auth import CurveKeys, ZapHandler
-from tandem.engine.transfer.control_frames import Dropped, bounded_socket, peer_ident, peer_name, recv_frames
-from tandem.protocol import pd
+from tandem.pd import protocol as pd
+from tandem.pd.control.auth import CurveKeys, ZapHandler
+from tandem.pd.control.frames import Dropped, bounded_socket, peer_ident, peer_name, recv_frames
 
 log = logging.getLogger(__name__)
 

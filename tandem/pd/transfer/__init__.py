@@ -1,0 +1,3 @@
+"""KV transfer between workers: the contract (`contract`), the page arithmetic it moves
+(`pages`), its NIXL implementation (`nixl_agent`), and the registered first-token slots
+that travel with a request's last chunk (`first_token`)."""
