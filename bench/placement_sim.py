@@ -29,13 +29,14 @@ and max/min 1.25 here, 0.83 and 1.36 there); with no queueing it would lose far 
 Each worker has a token-level LRU prefix cache of `--capacity` tokens (the bench's
 --max-total-tokens 16384). Hit rate = cached prompt tokens / prompt tokens (what bench/router.py
 reads from the workers' meta_info), over all rounds; load = max/min requests served per worker in
-a round: the median and the worst round. "before" is router/policies.py at git revision
+a round: the median and the worst round. "before" is router/policies/cache_aware.py at git revision
 `--before-rev`, loaded with `git show`; "after" is the working tree's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import importlib.util
 import itertools
@@ -80,13 +81,15 @@ def zipf_workload(s: float) -> Callable[[int], list[str]]:
 
 
 def load_policies(rev: str | None) -> types.ModuleType:
-    """router/policies.py at `rev` (None: the working tree's), as a module of its own."""
+    """router/policies/cache_aware.py at `rev` (None: the working tree's), as a module of its own."""
     if rev is None:
-        import tandem.router.policies as current
+        import tandem.router.policies.cache_aware as current
 
         return current
-    src = subprocess.run(["git", "show", f"{rev}:router/policies.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    # cache_aware lived in router/policies.py (one Policy class, chosen by name) before it had a module.
+    show = [subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+            for path in ("router/policies/cache_aware.py", "router/policies.py")]
+    src = next(r.stdout for r in show if r.returncode == 0)
     mod = types.ModuleType(f"policies_{rev}")
     sys.modules[mod.__name__] = mod  # dataclasses look their module up there
     exec(compile(src, f"policies@{rev}", "exec"), mod.__dict__)  # noqa: S102 - our own file, a known commit
@@ -154,7 +157,8 @@ def measure(mod: types.ModuleType, n_workers: int, rounds: list[list[Prompt]],
     cached = total = 0
     loads = []
     for t in range(args.trials):
-        pol = mod.Policy("cache_aware", PrefixIndex(), seed=args.seed, **policy)
+        make = getattr(mod, "CacheAware", None) or functools.partial(mod.Policy, "cache_aware")
+        pol = make(PrefixIndex(), seed=args.seed, **policy)
         workers = [Worker(f"http://w{i}") for i in range(n_workers)]
         rng = random.Random(args.seed + t)
         for prompts in rounds[t * args.rounds:(t + 1) * args.rounds]:

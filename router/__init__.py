@@ -5,7 +5,7 @@
     routes.py       OpenAI routes, /generate, health, metrics, the workers admin API
     proxy.py        dispatch, retries, PD pairs, the streaming relay;  reported.py: token counts, errors
     upstream.py     the HTTP/1.1 client to the workers (httptools, pooled keep-alive)
-    policies.py     round_robin ... cache_aware;  prefix_index.py: what each worker has cached
+    policies/       round_robin ... cache_aware, one class each;  prefix_index.py: what workers cache
     workers.py      workers, their load and circuit breakers;  health.py: active checks
     discovery.py    Kubernetes pods -> workers;  capacity.py: hold requests while a role is at zero
     admission.py    token bucket + bounded FIFO queue;  tokenizer.py: HF fast tokenizer + template

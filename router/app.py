@@ -23,7 +23,7 @@ from tandem.router.discovery import PodDiscovery
 from tandem.router.fast_path import FastPath
 from tandem.router.health import HealthChecker
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policies import Policy
+from tandem.router.policies import make_policy
 from tandem.router.proxy import Proxy, ProxyConfig
 from tandem.router.tokenizer import ByteTokenizer, RouterTokenizer, load_tokenizer
 from tandem.router.upstream import Upstream
@@ -85,7 +85,7 @@ def build_app(cfg: RouterConfig) -> Any:
         async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout, connect=5.0), headers=auth) as client:
             ws = _workers(cfg)
             metrics = RouterMetrics()
-            policies = {role: Policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
+            policies = {role: make_policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
                         for role, name in ((COLOCATED, cfg.policy), (PREFILL, cfg.prefill_policy),
                                            (DECODE, cfg.decode_policy))}
             proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold,

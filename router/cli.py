@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-selector", default=None, help="Kubernetes: label selector of prefill pods")
     p.add_argument("--decode-selector", default=None, help="Kubernetes: label selector of decode pods")
     for flag in ("--policy", "--prefill-policy", "--decode-policy"):
-        p.add_argument(flag, choices=POLICIES, default=None)
+        p.add_argument(flag, choices=tuple(POLICIES), default=None)
     p.add_argument("--local-prefill-threshold", type=int, default=32)
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--max-inflight", type=int, default=4096, help="requests dispatched at once; then they queue")

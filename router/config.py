@@ -56,7 +56,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             if name not in POLICIES:
-                raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+                raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {name!r}")
         if self.capacity_wait < 0 or self.max_capacity_waiters < 0:
             raise ValueError("capacity_wait and max_capacity_waiters must be >= 0")
         if self.stream_send_timeout < 0 or self.max_requests_per_client < 0:

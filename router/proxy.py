@@ -40,7 +40,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policies import TOKEN_POLICIES, Policy
+from tandem.router.policies import Policy
 from tandem.router.prefix_index import block_names
 from tandem.router.relay import relay
 from tandem.router.reported import error_message, output_tokens, prompt_tokens
@@ -101,7 +101,7 @@ class Proxy:
     def needs_ids(self) -> bool:
         """Whether routing reads the prompt's token ids: cache_aware and token-load policies do,
         and PD does (how much of the prompt decode holds decides whether prefill is needed)."""
-        return self.pd_mode() or self.policies[COLOCATED].name in TOKEN_POLICIES
+        return self.pd_mode() or self.policies[COLOCATED].reads_tokens
 
     async def handle(self, job: Job) -> Response:
         tried: set[str] = set()

@@ -1,4 +1,4 @@
-"""cache_aware placement (router/policies.py), deterministic and server-free: tenants stay whole
+"""cache_aware placement (router/policies/cache_aware.py), deterministic and server-free: tenants stay whole
 while the pool is balanced, new tenants are spread even when their first requests come unevenly,
 a worker past its share copies the excess to the lightest worker (the tenant stays where it is),
 a tenant hotter than a fair share spreads, misses go by load, no pick goes past the bound, and a
@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from tandem.router.policies import Policy
+from tandem.router.policies import CacheAware
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.workers import Worker
 
@@ -21,11 +21,11 @@ def _pool(n: int) -> list[Worker]:
     return [Worker(f"http://w{i}") for i in range(n)]
 
 
-def _policy(**kw: float) -> Policy:
-    return Policy("cache_aware", PrefixIndex(block=4), **kw)
+def _policy(**kw: float) -> CacheAware:
+    return CacheAware(PrefixIndex(block=4), **kw)
 
 
-def _ask(pol: Policy, pool: list[Worker], tenant: int, i: int) -> Worker:
+def _ask(pol: CacheAware, pool: list[Worker], tenant: int, i: int) -> Worker:
     """One request of `tenant`: its system prompt and a question of its own."""
     return pol.pick(pool, TENANTS[tenant] + [10 + i % 7000] * 4)[0]
 

@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 from tandem.router.admission import Admission  # noqa: E402
-from tandem.router.policies import Policy  # noqa: E402
+from tandem.router.policies import CacheAware, make_policy  # noqa: E402
+from tandem.router.policies.load import RoundRobin  # noqa: E402
 from tandem.router.prefix_index import PrefixIndex, block_names  # noqa: E402
 from tandem.router.workers import Breaker, Worker  # noqa: E402
 from tandem.server.errors import ApiError  # noqa: E402
@@ -35,7 +36,7 @@ def test_prefix_index_matches_prefixes_and_forgets_lru() -> None:
 
 def test_cache_aware_follows_the_prefix_and_misses_by_load() -> None:
     pool = _pool()
-    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.5)
+    pol = CacheAware(PrefixIndex(block=4), threshold=0.5)
     prompt = list(range(64))
     first, _ = pol.pick(pool, prompt)
     again, matched = pol.pick(pool, prompt + [1, 2, 3])
@@ -50,7 +51,7 @@ def test_cache_aware_follows_the_prefix_and_misses_by_load() -> None:
 
 def test_cache_aware_ignores_a_hit_when_load_is_imbalanced() -> None:
     pool = _pool(2)
-    pol = Policy("cache_aware", PrefixIndex(block=4), threshold=0.1, balance=1.3, balance_abs=4)
+    pol = CacheAware(PrefixIndex(block=4), threshold=0.1, balance=1.3, balance_abs=4)
     prompt = list(range(32))
     hot, _ = pol.pick(pool, prompt)
     hot.requests, hot.tokens = 10, 1000
@@ -61,7 +62,7 @@ def test_cache_aware_ignores_a_hit_when_load_is_imbalanced() -> None:
 @pytest.mark.parametrize("name", ["round_robin", "random", "least_requests", "least_tokens", "power_of_two"])
 def test_every_policy_spreads_over_idle_workers(name) -> None:
     pool = _pool()
-    pol = Policy(name, seed=0)
+    pol = make_policy(name, seed=0)
     picked = set()
     for i in range(40):
         w, _ = pol.pick(pool, [i])
@@ -223,7 +224,7 @@ def test_pd_pairs_only_one_generation() -> None:
     ws.add(Worker("http://p-old:8000", PREFILL, 8998, "old"))
     ws.add(Worker("http://p-new:8000", PREFILL, 8998, "new"))
     ws.add(Worker("http://d-new:8000", DECODE, None, "new"))
-    policies = {r: Policy("round_robin") for r in (COLOCATED, PREFILL, DECODE)}
+    policies = {r: RoundRobin() for r in (COLOCATED, PREFILL, DECODE)}
     proxy = Proxy(ProxyConfig(local_prefill_threshold=0), ws, policies, RouterMetrics(), Upstream())
     for _ in range(4):
         route = proxy.choose(Job("/generate", {"text": "x"}, list(range(64)), 100, False), set())
@@ -250,7 +251,7 @@ def test_cache_aware_places_tenants_by_traffic_volume() -> None:
     rng = random.Random(0)
     tenants = [[rng.randrange(10, 8000) for _ in range(64)] for _ in range(8)]
     pool = _pool()
-    pol = Policy("cache_aware", PrefixIndex(block=4))
+    pol = CacheAware(PrefixIndex(block=4))
     served = {w.url: 0 for w in pool}
     for _ in range(256):
         ids = rng.choices(tenants, weights=[3, 2, 2, 1, 1, 1, 1, 1])[0] + [rng.randrange(10, 8000)] * 4

@@ -1,65 +1,21 @@
-"""Dispatch policies: pick one worker among the eligible ones.
-
-    round_robin     in turn
-    random          uniformly
-    least_requests  fewest requests in flight
-    least_tokens    fewest outstanding tokens (prompt + max_tokens of requests in flight)
-    power_of_two    the less loaded (tokens) of two picked at random
-    cache_aware     each prefix group (a tenant) on the workers it was placed on, placed so that
-                    the traffic volume per worker stays balanced; below.
-
-cache_aware. A prompt's *group* is named by its first 2^k blocks, the longest such prefix within
-the `threshold` of the prompt a worker must hold for a hit (router/prefix_index.py): a tenant's
-requests, whose long system prompt comes first and whose lengths differ a little, share it.
-`Placement` keeps each group's owners and each worker's volume: the requests routed to it,
-halved every HALF_LIFE picks per worker in the pool, so that it follows today's tenants.
-
-- New group: to the worker with the least *projected* volume: its volume plus, for each group it
-  got in the last YOUNG picks (per worker), an average live group's volume, fading with the
-  group's age. A tenant's first requests say little of its volume: by counts alone, a worker
-  whose tenants were new looked light and got a third tenant while another had one. An unknown
-  group whose prompt a worker holds (`threshold` of it) is adopted by that worker.
-- Hit: to an owner (the longest match, then the least volume).
-- Bound: no pick, hit or miss, goes to a worker carrying more than `volume_balance` times the
-  lightest worker's volume (+ `volume_slack` requests), which bounds max/min requests served.
-  Past it, the request goes to the lightest worker (a fair holder of the prefix first), which
-  becomes an owner too: the group's requests then go to whichever owner carries less, so a
-  tenant hotter than a fair share spreads, one copy at a time. A copy, not a move: a moved
-  tenant takes all its traffic along and overshoots, so it moves on, a miss each time (a
-  moving variant, run in bench/placement_sim.py, lost hit rate at 2, 4 and 8 workers for no
-  steady gain in balance); a copy takes only the excess, and later requests hit on both.
-- Load in flight: imbalanced means the busiest worker has more than `balance_abs` requests in
-  flight beyond the idlest AND more than `balance` times its load (+1 each): a relative test
-  alone calls 2-vs-1 imbalanced and scatters every tenant over the pool (0.72 hit rate against
-  0.88 on bench/router.py cache). Imbalanced: a hit goes to the least loaded owner, a miss by
-  tokens. An owner that is itself that far ahead is left for a holder that is not, else for
-  the worker with the fewest outstanding tokens (an owner from then on), when its queue is
-  worth more than twice the cached prefix a request elsewhere recomputes: the wait saved (queue
-  minus recompute) must exceed the compute the copy wastes. The queue is its requests beyond
-  the idlest times the uncached tokens requests bring lately, so an uncached prompt leaves at
-  once, as before. Leaving whenever 5 ahead cost most of the misses on the cache workload (in
-  bench/placement_sim.py): each spill is a slow prefill, which makes the next imbalance.
-- Miss: never "the smallest tree": a worker with little cached attracts every new prefix and
-  becomes the hotspot (sgl-router's users hit exactly this spiral).
-"""
+"""cache_aware: each prefix group (a tenant) on the workers it was placed on, placed so that
+the traffic volume per worker stays balanced, and copied rather than moved when one worker
+carries too much. How and why: docs/router.md, "Cache-aware placement"."""
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.router.policies.base import Policy, least_tokens
 from tandem.router.prefix_index import PrefixIndex, block_names
 from tandem.router.workers import Worker
 
 HALF_LIFE = 16  # picks per worker in the pool: volumes follow the tenants there are now
 YOUNG = 16  # picks per worker: how long a new group counts as an average one
 MAX_GROUPS = 1 << 14  # groups remembered (LRU)
-POLICIES = ("round_robin", "random", "least_requests", "least_tokens", "power_of_two", "cache_aware")
-TOKEN_POLICIES = frozenset({"least_tokens", "power_of_two", "cache_aware"})  # read prompt token ids
 
 
 @dataclass
@@ -147,37 +103,27 @@ class Placement:
             y[0], y[1] = y[0] - 1, y[1] - born
 
 
-class Policy:
-    def __init__(self, name: str, index: PrefixIndex | None = None, threshold: float = 0.3,
-                 balance: float = 1.3, balance_abs: int = 4, volume_balance: float = 1.15,
-                 volume_slack: float = 3.0, seed: int | None = None) -> None:
-        if name not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
-        self.name, self.threshold, self.balance, self.balance_abs = name, threshold, balance, balance_abs
-        self.index = index or PrefixIndex()
-        self.rng = random.Random(seed)
-        self._rr = itertools.count()
-        self.hits = self.misses = 0
+class CacheAware(Policy):
+    name = "cache_aware"
+    reads_tokens = True
+
+    def __init__(self, index: PrefixIndex | None = None, threshold: float = 0.3, balance: float = 1.3,
+                 balance_abs: int = 4, volume_balance: float = 1.15, volume_slack: float = 3.0,
+                 seed: int | None = None) -> None:
+        super().__init__(index, seed)
+        self.threshold, self.balance, self.balance_abs = threshold, balance, balance_abs
         self.volume_balance, self.volume_slack = volume_balance, volume_slack
         self.placement = Placement()
         self._uncached = [0.0, 0.0]  # prompt tokens picks found uncached, and picks; both decayed
 
+    @classmethod
+    def configured(cls, *, threshold: float, balance: float, seed: int | None) -> CacheAware:
+        return cls(threshold=threshold, balance=balance, seed=seed)
+
     def pick(self, workers: Sequence[Worker], ids: Sequence[int]) -> tuple[Worker, int]:
-        """(worker, estimated cached prefix tokens on it)."""
         assert workers, "no eligible worker"
-        names = block_names(ids, self.index.block) if self.name == "cache_aware" else []
-        if self.name == "round_robin":
-            w = workers[next(self._rr) % len(workers)]
-        elif self.name == "random":
-            w = self.rng.choice(list(workers))
-        elif self.name == "least_requests":
-            w = min(workers, key=lambda x: (x.requests, x.tokens))
-        elif self.name == "least_tokens":
-            w = _least_tokens(workers)
-        elif self.name == "power_of_two":
-            w = _least_tokens(self.rng.sample(list(workers), min(2, len(workers))))
-        else:
-            w = self._cache_aware(workers, names, len(ids))
+        names = block_names(ids, self.index.block)
+        w = self._cache_aware(workers, names, len(ids))
         matched = self.index.match(w.url, names) * self.index.block if names else 0
         if names:
             self.index.insert(w.url, names)
@@ -220,7 +166,7 @@ class Policy:
         owners = self._owners(workers, names, need, key) if key is not None else []
         if not owners:  # a new group (or a prompt shorter than a block)
             proj = p.projected(len(workers))
-            w = min(fair, key=lambda w: (proj.get(w.url, 0.0), w.tokens)) if balanced else _least_tokens(fair)
+            w = min(fair, key=lambda w: (proj.get(w.url, 0.0), w.tokens)) if balanced else least_tokens(fair)
             if key is not None:
                 p.place(key, w.url)
             return w
@@ -235,7 +181,7 @@ class Policy:
         holders = [w for w in fair if self.index.match(w.url, names) >= need
                    and (balanced or w.requests - min(loads) <= self.balance_abs)]
         pool = holders or fair
-        w = min(pool, key=lambda w: (p.of(w.url), w.tokens)) if balanced else _least_tokens(pool)
+        w = min(pool, key=lambda w: (p.of(w.url), w.tokens)) if balanced else least_tokens(pool)
         g = p.group(key)
         if g is not None and w.url not in g.owners:
             g.owners.append(w.url)  # it holds the prefix now: an owner, its later requests hit
@@ -262,6 +208,3 @@ class Policy:
         uncached = self._uncached[0] / max(1.0, self._uncached[1])  # per request, lately
         return excess > self.balance_abs and excess * uncached > 2 * cached_blocks * self.index.block
 
-
-def _least_tokens(workers: Sequence[Worker]) -> Worker:
-    return min(workers, key=lambda x: (x.tokens, x.requests))
