@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 
 class TokenBucket:

@@ -29,8 +29,8 @@ from tandem.router.tokenizer import ByteTokenizer, RouterTokenizer, load_tokeniz
 from tandem.router.upstream import Upstream
 from tandem.router.worker_urls import UrlAllow
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Breaker, Worker, WorkerSet
-from tandem.server import errors
-from tandem.server.security import Guard
+from tandem.web import errors
+from tandem.web.security import Guard
 
 log = logging.getLogger("tandem.router")
 

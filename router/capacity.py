@@ -24,7 +24,7 @@ from typing import Any
 
 from tandem.router.metrics import RouterMetrics
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, WorkerSet
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 # How often a held request re-checks without a change event: a breaker half-opening is a
 # matter of time, not an event. Slow on purpose; events do the real waking.

@@ -15,7 +15,7 @@ import sys
 from tandem.router.config import RouterConfig
 from tandem.router.discovery import role_selectors
 from tandem.router.policies import POLICIES
-from tandem.server.coalesced_http import DEFAULT_STALL_TIMEOUT
+from tandem.web.coalesced_http import DEFAULT_STALL_TIMEOUT
 from tandem.worker_contract import ENV_ADMIN_KEY, ENV_API_KEY, ENV_WORKER_API_KEY, ROUTER_ADMIN_PORT
 
 
@@ -85,8 +85,8 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.router.app import build_app
-    from tandem.server import admin_listener
-    from tandem.server.coalesced_http import http_protocol
+    from tandem.web import admin_listener
+    from tandem.web.coalesced_http import http_protocol
 
     app = build_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",

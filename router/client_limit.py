@@ -11,7 +11,7 @@ peer: leave the limit off (0, the default) there, or set it well above one clien
 
 from __future__ import annotations
 
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 
 class ClientLimit:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from tandem.router.policies import POLICIES
 from tandem.router.worker_urls import UrlAllow, parse_worker_url
 from tandem.router.workers import PREFILL
-from tandem.server.coalesced_http import DEFAULT_STALL_TIMEOUT
+from tandem.web.coalesced_http import DEFAULT_STALL_TIMEOUT
 from tandem.worker_contract import ROUTER_ADMIN_PORT
 
 

@@ -4,7 +4,7 @@ Every request through the router pays for its per-request machinery (dependency 
 body re-reads, exception middleware, a task per disconnect watch); on the proxied routes
 that was about half of the router's CPU per request, and on a small machine CPU is
 latency. Here a POST to /v1/completions, /v1/chat/completions or /generate is read once,
-parsed once (tandem/server/json_body.py: anything a worker could choke on is a 400 here),
+parsed once (tandem/web/json_body.py: anything a worker could choke on is a 400 here),
 stripped of the fields only the router sets (routes.ROUTER_FIELDS), validated with the same
 pydantic models, turned into a Job by the same builders (routes.py) and answered with the
 same error JSON; everything else (health, metrics, models, admin) falls through to FastAPI.
@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.router import routes
-from tandem.server.errors import ApiError, error_response, validation_message
-from tandem.server.json_body import parse_json
+from tandem.web.errors import ApiError, error_response, validation_message
+from tandem.web.json_body import parse_json
 
 log = logging.getLogger("tandem.router")
 

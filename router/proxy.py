@@ -46,7 +46,7 @@ from tandem.router.relay import relay
 from tandem.router.reported import error_message, output_tokens, prompt_tokens
 from tandem.router.upstream import Upstream, UpstreamError
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker, WorkerSet
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 
 @dataclass

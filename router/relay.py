@@ -4,7 +4,7 @@ Past the first byte nothing is retried: a worker that dies mid-stream gives the 
 error event and [DONE]. However the stream ends (its last byte, the worker gone, the client
 gone), `finish` runs once and the worker connection is closed, which the worker takes as its
 client leaving: it aborts the request and frees its pages. A client that stops reading is cut
-off by the HTTP protocol's stall timeout (--stream-send-timeout, tandem/server/coalesced_http.py),
+off by the HTTP protocol's stall timeout (--stream-send-timeout, tandem/web/coalesced_http.py),
 which ends the relay the same way.
 """
 
@@ -18,7 +18,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.reported import output_tokens, prompt_tokens
 from tandem.router.upstream import UpstreamError, UpstreamResponse
 from tandem.router.workers import Worker
-from tandem.server.errors import error_body
+from tandem.web.errors import error_body
 
 
 async def relay(metrics: RouterMetrics, resp: UpstreamResponse, worker: Worker, t0: float, count_prompt: bool,

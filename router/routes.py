@@ -19,8 +19,8 @@ from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest,
 from tandem.router.proxy import Job
 from tandem.router.worker_urls import parse_worker_url
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
-from tandem.server.disconnect import cancel_on_disconnect
-from tandem.server.errors import ApiError, bad_request, error_response
+from tandem.web.disconnect import cancel_on_disconnect
+from tandem.web.errors import ApiError, bad_request, error_response
 from tandem.worker_contract import DRAIN_PATH
 
 router = APIRouter()
@@ -197,7 +197,7 @@ async def drain(request: Request) -> dict[str, Any]:
 
 # ---- admin: workers at run time -----------------------------------------------------------------
 # POST /drain and POST/DELETE /workers answer only the admin listener or the admin key: the
-# Guard's ADMIN_ROUTES (tandem/server/security.py) refuses everyone else with 403. A URL must
+# Guard's ADMIN_ROUTES (tandem/web/security.py) refuses everyone else with 403. A URL must
 # also be a plain http://HOST:PORT the allowlist admits (router/worker_urls.py).
 class WorkerBody(BaseModel):
     url: str = Field(max_length=300)

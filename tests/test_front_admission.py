@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 from tandem.protocol.messages import AbortReq, GenerateReq, ReqOutput  # noqa: E402
-from tandem.server.errors import ApiError  # noqa: E402
 from tandem.server.front import Front  # noqa: E402
+from tandem.web.errors import ApiError  # noqa: E402
 
 
 class FakeClient:

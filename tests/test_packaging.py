@@ -27,7 +27,7 @@ def test_operator_protocol_and_cli_never_import_torch() -> None:
     code = (
         "import sys; import tandem.cli, tandem.operator.reconcile, tandem.metric_names, tandem.worker_contract;"
         "import tandem.protocol.messages, tandem.protocol.openai_api, tandem.protocol.kv_layout;"
-        "import tandem.pd, tandem.pd.protocol, tandem.pd.secret;"
+        "import tandem.pd, tandem.pd.protocol, tandem.pd.secret, tandem.web.errors, tandem.web.json_body;"
         "tandem.cli.build_parser();"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -16,7 +16,7 @@ from router_fakes import FakeWorker, fakes, router, run
 from tandem.router.config import RouterConfig
 from tandem.router.upstream import UpstreamError, _target
 from tandem.router.worker_urls import UrlAllow, parse_worker_url
-from tandem.server.coalesced_http import http_protocol
+from tandem.web.coalesced_http import http_protocol
 
 ADMIN = {"Authorization": "Bearer adm"}
 BAD_URLS = ["http://evil:80/x?", "http://10.0.0.1:8000/v1?a=b", "http://10.0.0.1:8000#f", "http://u:p@10.0.0.1:8000",

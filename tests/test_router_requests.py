@@ -1,7 +1,7 @@
 """What the router sends on, and when it sends again: retries only for failures another worker
 may not have (router/proxy.py), fields only the router sets stripped from every body
 (routes.ROUTER_FIELDS), and bodies no worker could use answered 400 before any worker sees
-them (tandem/server/json_body.py). The real router app in front of recording fake workers."""
+them (tandem/web/json_body.py). The real router app in front of recording fake workers."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from tandem.router.policies import CacheAware, make_policy  # noqa: E402
 from tandem.router.policies.load import RoundRobin  # noqa: E402
 from tandem.router.prefix_index import PrefixIndex, block_names  # noqa: E402
 from tandem.router.workers import Breaker, Worker  # noqa: E402
-from tandem.server.errors import ApiError  # noqa: E402
+from tandem.web.errors import ApiError  # noqa: E402
 
 
 def _pool(n: int = 4) -> list[Worker]:

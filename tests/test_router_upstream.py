@@ -1,5 +1,5 @@
 """The router's worker client (router/upstream.py) against raw asyncio servers whose bytes on the
-wire the tests choose, and the coalescing transport both servers run (tandem/server/coalesced_http.py)."""
+wire the tests choose, and the coalescing transport both servers run (tandem/web/coalesced_http.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tandem.router.upstream import Upstream, UpstreamError
-from tandem.server.coalesced_http import CoalescingTransport
+from tandem.web.coalesced_http import CoalescingTransport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

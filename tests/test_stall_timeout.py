@@ -16,7 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("httptools")
 
 from tandem.local.plan import free_port  # noqa: E402
-from tandem.server.coalesced_http import StallTimer, http_protocol  # noqa: E402
+from tandem.web.coalesced_http import StallTimer, http_protocol  # noqa: E402
 
 
 def _app(closed: threading.Event):

@@ -8,14 +8,11 @@
     openai_routes.py    OpenAI /v1/completions and /v1/chat/completions (one choice runner for both)
     generate_routes.py  SGLang's native /generate
     admin_routes.py     health, readiness, server and model info, metrics, drain, flush, abort
-    disconnect.py       cancel a non-streaming answer's work when its client leaves
-    errors.py           OpenAI error JSON for every failure
-    security.py         API key and body-size limits; admin routes for the admin listener or the admin key
-    admin_listener.py   the second listener, on 127.0.0.1:--admin-port: admin routes and probes
-    json_body.py        request bodies that are not usable JSON (surrogates, deep nesting, ...) are 400s
     metrics.py          prometheus-client series (names in tandem/metric_names.py)
     config.py           ServerConfig, from the worker contract's command line
-    coalesced_http.py   uvicorn's httptools protocol with one send per loop turn (router too)
     process.py          the server process: uvicorn, SIGTERM -> drain -> exit
     cli.py              the `tandem serve` command line
+
+The HTTP pieces it shares with the router (errors, JSON bodies, keys, the admin listener)
+are in `tandem.web`.
 """

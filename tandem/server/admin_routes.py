@@ -28,8 +28,8 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from tandem.protocol.messages import FlushCacheReq
-from tandem.server.errors import ApiError, error_response
 from tandem.server.runtime import Runtime
+from tandem.web.errors import ApiError, error_response
 from tandem.worker_contract import COLOCATED, DECODE, DRAIN_PATH, HEALTH_PATH, METRICS_PATH, READY_PATH
 
 router = APIRouter()

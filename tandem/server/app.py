@@ -16,14 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tandem.server import admin_routes, errors, generate_routes, openai_routes
+from tandem.server import admin_routes, generate_routes, openai_routes
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
-from tandem.server.json_body import JsonBodies
 from tandem.server.metrics import ServerMetrics
 from tandem.server.runtime import Runtime
-from tandem.server.security import Guard
 from tandem.server.tokens import Tokens
+from tandem.web import errors
+from tandem.web.json_body import JsonBodies
+from tandem.web.security import Guard
 from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
 
 log = logging.getLogger("tandem.server")

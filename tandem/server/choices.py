@@ -15,9 +15,9 @@ from typing import Any
 
 from tandem.engine.detokenizer import TextStream
 from tandem.protocol.messages import ReqOutput
-from tandem.server.errors import ApiError, bad_request
 from tandem.server.front import Front, Stream
 from tandem.server.tokens import Tokens
+from tandem.web.errors import ApiError, bad_request
 
 
 @dataclass

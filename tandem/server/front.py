@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.protocol.messages import AbortReq, AdminResult, GenerateReq, ReqOutput, StatusReq
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 log = logging.getLogger(__name__)
 

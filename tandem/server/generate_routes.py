@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.protocol.openai_api import GenerateRequest
 from tandem.server.choices import Choice, Delta, collect, merged, open_choices
-from tandem.server.disconnect import cancel_on_disconnect
-from tandem.server.errors import ApiError
 from tandem.server.runtime import Runtime
+from tandem.web.disconnect import cancel_on_disconnect
+from tandem.web.errors import ApiError
 
 router = APIRouter()
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import uvicorn
 
-from tandem.server import admin_listener
 from tandem.server.app import SCHEDULER_DIED_EXIT, build_app
-from tandem.server.coalesced_http import http_protocol
 from tandem.server.config import ServerConfig
+from tandem.web import admin_listener
+from tandem.web.coalesced_http import http_protocol
 
 log = logging.getLogger("tandem.server")
 

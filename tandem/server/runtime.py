@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.server.config import ServerConfig
-from tandem.server.errors import ApiError
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.tokens import Tokens
+from tandem.web.errors import ApiError
 from tandem.worker_contract import PREFILL
 
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
-from tandem.server.errors import bad_request
+from tandem.web.errors import bad_request
 
 
 class Tokens:

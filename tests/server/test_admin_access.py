@@ -1,4 +1,4 @@
-"""Admin routes answer only the admin listener or the admin key (tandem/server/security.py,
+"""Admin routes answer only the admin listener or the admin key (tandem/web/security.py,
 admin_listener.py); loopback on the main listener is not enough, nor is the API key.
 
 In process, without a model: the real worker app with a fake runtime behind it, and the
@@ -17,11 +17,12 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.server import admin_routes, errors
-from tandem.server.admin_listener import AdminListener
+from tandem.server import admin_routes
 from tandem.server.app import build_app
 from tandem.server.config import ServerConfig
-from tandem.server.security import ADMIN_LISTENER, ADMIN_ROUTES, Guard, admin_refusal
+from tandem.web import errors
+from tandem.web.admin_listener import AdminListener
+from tandem.web.security import ADMIN_LISTENER, ADMIN_ROUTES, Guard, admin_refusal
 
 LOCAL = ("127.0.0.1", 40000)
 REMOTE = ("10.1.2.3", 40000)

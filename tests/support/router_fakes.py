@@ -15,7 +15,7 @@ import uvicorn
 
 from tandem.router.app import build_app
 from tandem.router.config import RouterConfig
-from tandem.server.admin_listener import AdminListener
+from tandem.web.admin_listener import AdminListener
 
 
 @dataclass

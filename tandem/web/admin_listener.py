@@ -21,8 +21,8 @@ from typing import Any
 
 import uvicorn
 
-from tandem.server.errors import error_body
-from tandem.server.security import ADMIN_LISTENER, ADMIN_LISTENER_ROUTES
+from tandem.web.errors import error_body
+from tandem.web.security import ADMIN_LISTENER, ADMIN_LISTENER_ROUTES
 
 ADMIN_HOST = "127.0.0.1"
 

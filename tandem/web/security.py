@@ -7,7 +7,7 @@ are refused with 413 whether or not they declare a Content-Length.
 The state-changing admin routes (ADMIN_ROUTES: the worker's drain, cache flush and abort,
 the router's drain and worker add/remove) are for operators, not inference clients:
 
-    admin listener (127.0.0.1:--admin-port, tandem/server/admin_listener.py)   let in
+    admin listener (127.0.0.1:--admin-port, tandem/web/admin_listener.py)   let in
     main listener with `Authorization: Bearer <admin key>` (--admin-key)        let in
     main listener, anything else (the API key, a loopback peer)                 403
 
@@ -23,7 +23,7 @@ import hmac
 import json
 from typing import Any
 
-from tandem.server.errors import error_body
+from tandem.web.errors import error_body
 from tandem.worker_contract import DRAIN_PATH, HEALTH_PATH, METRICS_PATH, READY_PATH
 
 OPEN_PATHS = frozenset({HEALTH_PATH, READY_PATH, METRICS_PATH})

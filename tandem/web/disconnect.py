@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from tandem.server.errors import ApiError
+from tandem.web.errors import ApiError
 
 MAX_DEPTH = 64  # OpenAI bodies nest a handful of levels; tool schemas a few more
 INT_LIMIT = 2**63  # ints outside [-2**63, 2**63) are refused
