@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +136,19 @@ def test_build_holds_only_its_levels_instructions(kernel_level: str) -> None:
         assert not bad, f"{len(bad)} instructions above {kernel_level}, e.g. {bad[:3]}"
     if required is not None:
         assert re.search(required, asm), f"the {kernel_level} build holds no {required}"
+
+
+def test_a_builder_killed_mid_build_never_blocks_a_later_start(tmp_path) -> None:
+    """A worker killed while building leaves torch's lock file behind; a later start with a
+    finished build loads it without waiting on that lock (it used to wait forever)."""
+    level = cpu_plan.current().level  # the build every engine here loads: already there
+    cpu_build.load(level)
+    src = cpu_build.build_dir(level)
+    home = tmp_path / "home"
+    dst = home / "torch_extensions" / src.name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.flock"))
+    (dst / "lock").write_text("")  # a dead builder's
+    code = f"from tandem.engine.kernels import cpu_build; print(cpu_build.load({level!r}))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TANDEM_HOME": str(home)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == cpu_build.namespace(level)

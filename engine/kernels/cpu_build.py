@@ -21,6 +21,7 @@ an edited source gets a fresh build and an unchanged one loads in well under a s
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -53,6 +54,7 @@ REGISTERED_OPS = ("paged_decode_attention", "paged_extend_attention", "rope_qk",
                   "fused_add_rms_norm", "silu_and_mul", "gumbel_argmax", "greedy_argmax")
 
 _lock = threading.Lock()
+BUILT = "built"  # written once the library is whole
 _built: dict[str, str | BaseException] = {}  # level -> op namespace, or the build's error
 
 
@@ -79,11 +81,31 @@ def build_dir(level: str) -> Path:
 
 
 def _compile(level: str) -> str:
-    from torch.utils import cpp_extension
-
     out = build_dir(level)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # The build directory is named by everything that goes into the library, so a finished
+    # build is loaded as it is. Builders take turns through an flock, which the kernel drops
+    # when its holder dies; torch's own lock file would stay behind a worker killed mid-build
+    # and make every later start wait on it forever.
+    with open(out / "build.flock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        if (out / BUILT).exists():
+            torch.ops.load_library(str(library_path(level)))
+        else:
+            _build(out, level)
+            (out / BUILT).write_text(torch.__version__)
+    ns = getattr(torch.ops, namespace(level))
+    for op in REGISTERED_OPS:
+        getattr(ns, op)  # raises if registration failed
+    log.info("CPU kernels (%s) ready in %.1fs (%s)", level, time.perf_counter() - t0, out)
+    return namespace(level)
+
+
+def _build(out: Path, level: str) -> None:
+    from torch.utils import cpp_extension
+
+    (out / "lock").unlink(missing_ok=True)  # torch's lock file, left by a builder that died (we hold the turn)
     # is_python_module=False: the .so only registers ops with the dispatcher (no pybind11).
     cpp_extension.load(
         name=out.name.replace("-", "_"),
@@ -94,11 +116,6 @@ def _compile(level: str) -> str:
         is_python_module=False,
         verbose=False,
     )
-    ns = getattr(torch.ops, namespace(level))
-    for op in REGISTERED_OPS:
-        getattr(ns, op)  # raises if registration failed
-    log.info("CPU kernels (%s) ready in %.1fs (%s)", level, time.perf_counter() - t0, out)
-    return namespace(level)
 
 
 def load(level: str) -> str:
