@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
@@ -30,6 +31,7 @@ class Breaker:
 
     threshold: int = 5
     cooldown: float = 10.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)  # tests step it by hand
     faults: int = 0
     opened_at: float | None = None
     trial: bool = False
@@ -38,7 +40,7 @@ class Breaker:
     def state(self) -> str:
         if self.opened_at is None:
             return "closed"
-        return "half_open" if time.monotonic() - self.opened_at >= self.cooldown else "open"
+        return "half_open" if self.clock() - self.opened_at >= self.cooldown else "open"
 
     def allows(self) -> bool:
         s = self.state
@@ -54,7 +56,7 @@ class Breaker:
     def on_fault(self) -> None:
         self.faults += 1
         if self.opened_at is not None or self.faults >= self.threshold:
-            self.opened_at, self.trial = time.monotonic(), False
+            self.opened_at, self.trial = self.clock(), False
 
 
 @dataclass(eq=False)
