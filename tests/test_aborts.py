@@ -17,12 +17,11 @@ def test_abort_waiting_running_and_chunked(model_path, overlap: bool) -> None:
     eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
                  chunked_prefill_size=16, disable_overlap_schedule=not overlap)
     try:
-        # Far more tokens than 0.3 s of decode reaches in any phase of the machine.
         sp = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
         running = eng._submit([1, 2, 3, 4], sp)
         chunked = eng._submit(list(range(10, 300)), sp)  # 290 tokens in 16-token chunks
         waiting = eng._submit([5, 6, 7], sp)  # max_running_requests=2: it waits
-        time.sleep(0.3)
+        assert not eng._get(running[1], timeout=60).finished  # decoding: its first token is out
         for rid, _, _ in (waiting, chunked, running):
             eng.abort(rid)
         for rid, q, _ in (waiting, chunked, running):

@@ -3,8 +3,6 @@ control, stop strings, aborts. Engine-level tests end with the pool whole."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -191,10 +189,10 @@ def test_priority_preempts_lower_priority_running_requests(model_path, overlap: 
                  enable_priority_scheduling=True, priority_scheduling_preemption_threshold=1,
                  disable_overlap_schedule=not overlap)
     try:
-        # 600 tokens outlast the 0.3 s sleep even at ~1 ms a step (150 did not, in a fast phase).
         long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
         low = [eng._submit([1, 2, 3, i], long, priority=0) for i in range(2)]
-        time.sleep(0.3)  # both low-priority requests are decoding
+        for _, q, _ in low:  # both low-priority requests are decoding: each has its first token
+            assert not eng._get(q, timeout=60).finished
         high = eng._submit([4, 5, 6], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, priority=5)
         last = eng._get(high[1], timeout=60)
         while not last.finished:

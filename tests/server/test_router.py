@@ -134,9 +134,11 @@ def test_worker_killed_mid_stream_then_readmitted(model_path) -> None:
         other = next(w for w in workers if w is not busy)
         for _ in range(4):  # the next requests go to the live worker
             assert router.post("/generate", {"text": "next", "sampling_params": SP}).status_code == 200
-        time.sleep(1.5)  # health checks (every 0.5 s) mark the dead one down
-        listed = {w["url"]: w for w in router.get("/workers").json()["workers"]}
-        assert not listed[busy.url]["healthy"] and listed[other.url]["healthy"]
+        deadline = time.monotonic() + 15  # health checks (every 0.5 s) mark the dead one down
+        while (listed := {w["url"]: w for w in router.get("/workers").json()["workers"]})[busy.url]["healthy"]:
+            assert time.monotonic() < deadline, "the dead worker stayed healthy"
+            time.sleep(0.1)
+        assert listed[other.url]["healthy"]
         args = busy.proc.args[busy.proc.args.index("serve"):]
         restarted = Worker(args, port=busy.port).wait_ready()
         deadline = time.monotonic() + 15
