@@ -97,7 +97,6 @@ class Engine:
                priority: int = 0) -> RequestHandle:
         """Send one request and return its handle, to read its outputs as they come
         (`next`, `result`), abort or close it. `generate` and `generate_stream` use it."""
-        self._check_open()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         handle = self._route(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", ids)
         self._backend.send(GenerateReq(handle.rid, ids, dict(sampling_params or {}), priority))
