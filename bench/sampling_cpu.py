@@ -2,7 +2,7 @@
 
     python bench/sampling_cpu.py [--batch 64] [--vocabs 8192 151936] [--rounds 9]
 
-Both paths draw the same tokens (tests/test_sampler.py); rounds alternate them and
+Both paths draw the same tokens (tests/engine/test_sampler.py); rounds alternate them and
 the figure is the median of the per-round ratios. Temperature 0.8; no filter, then
 top-p 0.95, then top-k 50 (the torch path sorts the vocab, the kernel bisects).
 """

@@ -89,8 +89,8 @@ class DataParallelController:
         self.ctx = zmq.Context()
         # Under a 0700 directory, never abstract sockets, which any process in the network
         # namespace can reach (engine/socket_dir.py); a killed server's is swept at the next start.
-        self._dir: str | None = str(socket_dir.make())
-        base = f"ipc://{self._dir}"
+        self.sockets: str | None = str(socket_dir.make())
+        base = f"ipc://{self.sockets}"
         out_addr = f"{base}/out"
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(out_addr)
@@ -141,7 +141,7 @@ class DataParallelController:
         self.pull.close(linger=0)
         for s in self.pushes:
             s.close(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     def _read(self) -> None:
         # Polls with a timeout so shutdown can stop it: zmq sockets must not be closed
@@ -231,8 +231,8 @@ class DataParallelController:
         for s in self.pushes:
             s.close(linger=0)
         self.ctx.term()  # every socket is closed with linger 0: this cannot block
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)  # the ipc socket files
+        if self.sockets is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)  # the ipc socket files
         # Reaped (joined) above: drop the handles, and their pipes and sentinels with them.
         for p in self.procs:
             if not p.is_alive():

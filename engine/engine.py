@@ -3,8 +3,9 @@
 It runs the same Scheduler the servers run: in a background thread of this
 process for dp_size 1, or in dp_size scheduler processes behind the DP
 controller. Requests go in as GenerateReq; ReqOutput deltas come back and
-are routed to per-request queues, which `generate` drains and
-`generate_stream` yields from.
+are routed to each request's RequestHandle (`submit`), which `generate`
+drains and `generate_stream` yields from. `status`, `error` and `scheduler`
+let tests and tools see the scheduler's state without reaching into it.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import threading
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.detokenizer import TextStream
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.launch import InProcessScheduler, SchedulerClient
-from tandem.protocol.messages import AbortReq, AdminResult, FlushCacheReq, GenerateReq, ReqOutput
+from tandem.engine.request_handle import RequestHandle
+from tandem.protocol.messages import AbortReq, AdminResult, FlushCacheReq, GenerateReq, ReqOutput, StatusReq
+
+if TYPE_CHECKING:
+    from tandem.engine.scheduler.scheduler import Scheduler
 
 Prompt = str | list[int]
 
@@ -45,7 +50,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.model_path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self._routes: dict[str, queue.SimpleQueue] = {}  # per request; SimpleQueue: put is C, no Condition
+        self._routes: dict[str, queue.SimpleQueue] = {}  # rid -> its RequestHandle's outputs
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
@@ -71,42 +76,32 @@ class Engine:
             if q is not None:
                 q.put(o)
 
-    def _submit(
-        self, prompt: Prompt, params: dict[str, Any], priority: int = 0
-    ) -> tuple[str, queue.SimpleQueue, list[int]]:
+    def _route(self, rid: str, prompt_ids: list[int]) -> RequestHandle:
         self._check_open()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        rid = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        q: queue.SimpleQueue = queue.SimpleQueue()
+        handle = RequestHandle(rid, prompt_ids, lambda: self._backend.error, self._drop_route, self.abort)
         with self._lock:
-            self._routes[rid] = q
-        self._backend.send(GenerateReq(rid, ids, dict(params), priority))
-        return rid, q, ids
+            self._routes[rid] = handle.outputs
+        return handle
 
-    def _get(self, q: queue.SimpleQueue, timeout: float | None = None) -> Any:
-        """Next output for a request; raises if the scheduler died instead of hanging."""
-        waited = 0.0
-        while True:
-            try:
-                return q.get(timeout=0.5)
-            except queue.Empty:
-                waited += 0.5
-                err = self._backend.error
-                if err is not None:
-                    raise RuntimeError(f"the scheduler stopped: {err!r}") from err
-                if timeout is not None and waited >= timeout:
-                    raise TimeoutError("no answer from the scheduler") from None
+    def _drop_route(self, rid: str) -> None:
+        with self._lock:
+            self._routes.pop(rid, None)
 
     def _check_open(self) -> None:
         # After shutdown nothing reads the inbox: a request would wait forever.
         if self._closed:
             raise RuntimeError("the engine was shut down")
 
-    def _close(self, rid: str) -> None:
-        with self._lock:
-            self._routes.pop(rid, None)
-
     # ---- public API --------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None,
+               priority: int = 0) -> RequestHandle:
+        """Send one request and return its handle, to read its outputs as they come
+        (`next`, `result`), abort or close it. `generate` and `generate_stream` use it."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        handle = self._route(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", ids)
+        self._backend.send(GenerateReq(handle.rid, ids, dict(sampling_params or {}), priority))
+        return handle
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: dict | Sequence[dict] | None = None
     ) -> list[dict[str, Any]]:
@@ -116,17 +111,17 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or {}] * len(plist)
         if len(params) != len(plist):
             raise ValueError("one sampling_params per prompt, or one for all")
-        pending = [self._submit(p, sp) for p, sp in zip(plist, params)]
+        pending = [self.submit(p, sp) for p, sp in zip(plist, params)]
         results = []
-        for (rid, q, _), sp in zip(pending, params):
+        for handle, sp in zip(pending, params):
             tokens: list[int] = []
             last: ReqOutput | None = None
             logprobs: list[float] = []
-            while last is None or not last.finished:
-                last = self._get(q)
-                tokens += last.token_ids
-                logprobs += last.logprobs or []
-            self._close(rid)
+            with handle:
+                while last is None or not last.finished:
+                    last = handle.next()
+                    tokens += last.token_ids
+                    logprobs += last.logprobs or []
             results.append(self._result(tokens, last, sp or {}, logprobs))
         return results
 
@@ -152,18 +147,18 @@ class Engine:
         sp = sampling_params or {}
         stream = TextStream(self.tokenizer, tuple([sp["stop"]] if isinstance(sp.get("stop"), str)
                                                   else sp.get("stop") or ()))
-        rid, q, _ = self._submit(prompt, sp)
+        handle = self.submit(prompt, sp)
         finished = False
         try:
             while not finished:
-                out: ReqOutput = self._get(q)
+                out: ReqOutput = handle.next()
                 finished = out.finished
                 yield {"text": stream.feed(out.token_ids, finished), "token_ids": out.token_ids,
                        "finished": finished, "finish_reason": (out.finish_reason or {}).get("kind")}
         finally:
             if not finished:  # the consumer stopped early: free the request's KV now
-                self.abort(rid)
-            self._close(rid)
+                handle.abort()
+            handle.close()
 
     def abort(self, rid: str) -> None:
         if not self._closed:  # after shutdown there is nothing left to abort
@@ -171,15 +166,42 @@ class Engine:
 
     def flush_cache(self) -> list[AdminResult]:
         """Drop the prefix caches (when idle) and check every pool is whole again."""
-        self._check_open()
-        rid = f"flush-{uuid.uuid4().hex[:8]}"
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            self._routes[rid] = q
-        self._backend.send(FlushCacheReq(rid))
-        replies = [self._get(q, timeout=60) for _ in range(self.config.dp_size)]
-        self._close(rid)
-        return replies
+        return self._admin(FlushCacheReq, "flush")
+
+    def status(self) -> list[AdminResult]:
+        """Per scheduler: load and KV-pool state (admin.pool_state); when idle, the pool's
+        integrity check runs first (it raises in the scheduler if a page leaked)."""
+        return self._admin(StatusReq, "status")
+
+    def _admin(self, command: type, name: str) -> list[AdminResult]:
+        """One admin command, answered once by every scheduler."""
+        with self._route(f"{name}-{uuid.uuid4().hex[:8]}", []) as handle:
+            self._backend.send(command(handle.rid))
+            return [handle.next(timeout=60) for _ in range(self.config.dp_size)]
+
+    @property
+    def closed(self) -> bool:
+        """Whether `shutdown` ran: the engine takes no more requests."""
+        return self._closed
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the scheduler stopped; None while it runs."""
+        return self._backend.error
+
+    @property
+    def backend(self) -> SchedulerClient:
+        """The scheduler client: an InProcessScheduler (dp_size 1) or the DP controller."""
+        return self._backend
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The in-process Scheduler (dp_size 1), for tests and tools that read its state or
+        instrument its loop. DP ranks run in their own processes, out of reach."""
+        sched = getattr(self._backend, "scheduler", None)
+        if sched is None:
+            raise RuntimeError("no in-process scheduler: dp_size > 1, or the engine was shut down")
+        return sched
 
     def shutdown(self) -> None:
         """Stop the scheduler(s) and release the model and KV memory, even while this Engine

@@ -3,7 +3,7 @@
 A backend computes causal attention for the new tokens of a ForwardBatch over
 each request's whole sequence, reading the cached prefix from the paged KV pool.
 
-Contract (tests/test_attention_contract.py runs it against every backend):
+Contract (tests/engine/test_attention_contract.py runs it against every backend):
 - The caller has written `req_to_token[row, 0:seq_len]` for every request
   before `init_forward_metadata`; positions >= seq_len are never read.
 - `init_forward_metadata(batch)` runs once per forward, before layer 0. It

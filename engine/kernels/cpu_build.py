@@ -13,7 +13,7 @@ above it is never built (its code would die on an illegal instruction).
     amx          v4 + -mavx512bf16 -mamx-tile -mamx-bf16      __m512, AMX tile extend products
 
 The flags name a level instead of -march=native, so a build matches what its level
-promises (tests/test_cpu_plan.py disassembles the capped builds to prove it). The
+promises (tests/engine/test_cpu_plan.py disassembles the capped builds to prove it). The
 build lives in $TANDEM_HOME/torch_extensions/tandem_cpu_<level>-<key>; the key hashes
 the sources, the flags, the torch version and the CPU's flags (for -mtune=native), so
 an edited source gets a fresh build and an unchanged one loads in well under a second.

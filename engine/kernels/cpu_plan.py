@@ -2,7 +2,7 @@
 
 Decided once per process from the CPU's feature flags (/proc/cpuinfo) and logged in one
 line (`current()`); `plan_for()` is the same decision as a pure function of a flag set,
-so tests run it over the flag sets of CPUs this machine is not (tests/test_cpu_plan.py).
+so tests run it over the flag sets of CPUs this machine is not (tests/engine/test_cpu_plan.py).
 
     kernel level   the highest csrc/ build the CPU executes (cpu_build.py):
                    generic < avx2 < avx512 < avx512_bf16 < amx

@@ -13,7 +13,7 @@ Ownership rule: every KV page is owned by exactly one party, the cache or one
 running request. `allocator.used_pages == cache.cached_pages() + pages held by
 running requests` is the leak check built on it.
 
-Two implementations share one contract test (tests/test_prefix_cache.py):
+Two implementations share one contract test (tests/engine/test_prefix_cache.py):
 RadixCache (radix_cache.py) and NoPrefixCache (below, caches nothing).
 """
 

@@ -148,15 +148,11 @@ def test_import_reproduces_the_preset(arch: str, imported: dict[str, Path], mode
     assert prov["architecture"] == arch and not prov["dequantized"] and set(prov["tensor_types"]) == {"F32"}
 
 
-def test_engine_greedy_output_matches_the_preset(imported: dict[str, Path], model_path: Callable[[str], Path]) -> None:
+def test_engine_greedy_output_matches_the_preset(imported: dict[str, Path], engine) -> None:
     """The whole path a worker takes: the imported Qwen3 serves the preset's greedy answer."""
-    from tandem.engine.engine import Engine
-
-    answers = []
-    for model_dir in (imported["qwen3"], model_path("tiny")):
-        with Engine(str(model_dir), dtype="float32", max_total_tokens=2048) as eng:
-            answers.append(eng.generate("The capital of France is", {"max_new_tokens": 12, "temperature": 0,
-                                                                     "ignore_eos": True})[0])
+    answers = [engine(model, max_total_tokens=2048).generate(
+        "The capital of France is", {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})[0]
+        for model in (imported["qwen3"], "tiny")]
     assert answers[0]["token_ids"] == answers[1]["token_ids"] and answers[0]["text"] == answers[1]["text"]
 
 

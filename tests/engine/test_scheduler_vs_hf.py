@@ -7,8 +7,7 @@ import functools
 
 import pytest
 import torch
-
-from tandem import Engine
+from engine_checks import assert_whole
 
 ARCHS = ["tiny", "tiny-llama", "tiny-qwen2"]
 MAX_NEW = 20
@@ -48,54 +47,44 @@ def _hf_greedy(path: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int
     return out
 
 
-def _assert_whole(eng: Engine) -> None:
-    for reply in eng.flush_cache():
-        assert reply.ok, reply.info
-
-
-def _run(model_path, arch: str, **overrides) -> tuple[list[dict], list[list[int]]]:
+def _run(engine, model_path, arch: str, **overrides) -> tuple[list[dict], list[list[int]]]:
     path = model_path(arch)
-    eng = Engine(str(path), **{**BASE, **overrides})
-    try:
-        prompts = _prompts(eng.tokenizer.vocab_size)
-        outs = eng.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0})
-        _assert_whole(eng)
-    finally:
-        eng.shutdown()
+    eng = engine(arch, **{**BASE, **overrides})
+    prompts = _prompts(eng.tokenizer.vocab_size)
+    outs = eng.generate(prompts, {"max_new_tokens": MAX_NEW, "temperature": 0})
+    assert_whole(eng)
+    eng.shutdown()  # before HF's model loads beside it
     return outs, _hf_greedy(str(path), tuple(map(tuple, prompts)))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_identical_to_hf(model_path, arch: str, scenario: str) -> None:
-    outs, ref = _run(model_path, arch, **SCENARIOS[scenario])
+def test_greedy_identical_to_hf(engine, model_path, arch: str, scenario: str) -> None:
+    outs, ref = _run(engine, model_path, arch, **SCENARIOS[scenario])
     assert [o["token_ids"] for o in outs] == ref
     if scenario == "retract":
         assert sum(o["meta"]["retract_count"] for o in outs) > 0, "the small pool never forced a retraction"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_radix_hits_in_waves(model_path, arch: str) -> None:
+def test_radix_hits_in_waves(engine, model_path, arch: str) -> None:
     """Requests sharing long prefixes, in two waves: the second reuses the first's KV."""
-    path = model_path(arch)
-    eng = Engine(str(path), **BASE, page_size=4)
-    try:
-        g = torch.Generator().manual_seed(5)
-        vocab = eng.tokenizer.vocab_size
-        system = torch.randint(10, vocab, (48,), generator=g).tolist()
-        prompts = [system + torch.randint(10, vocab, (n,), generator=g).tolist() for n in (5, 9, 13, 2, 7, 11)]
-        sp = {"max_new_tokens": MAX_NEW, "temperature": 0}
-        first = eng.generate(prompts[:2], sp)
-        second = eng.generate(prompts[2:], sp)
-        assert all(o["meta"]["cached_tokens"] >= 44 for o in second)
-        _assert_whole(eng)
-    finally:
-        eng.shutdown()
-    ref = _hf_greedy(str(path), tuple(map(tuple, prompts)))
+    eng = engine(arch, **BASE, page_size=4)
+    g = torch.Generator().manual_seed(5)
+    vocab = eng.tokenizer.vocab_size
+    system = torch.randint(10, vocab, (48,), generator=g).tolist()
+    prompts = [system + torch.randint(10, vocab, (n,), generator=g).tolist() for n in (5, 9, 13, 2, 7, 11)]
+    sp = {"max_new_tokens": MAX_NEW, "temperature": 0}
+    first = eng.generate(prompts[:2], sp)
+    second = eng.generate(prompts[2:], sp)
+    assert all(o["meta"]["cached_tokens"] >= 44 for o in second)
+    assert_whole(eng)
+    eng.shutdown()
+    ref = _hf_greedy(str(model_path(arch)), tuple(map(tuple, prompts)))
     assert [o["token_ids"] for o in first + second] == ref
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dp2_identical_to_hf(model_path, arch: str) -> None:
-    outs, ref = _run(model_path, arch, dp_size=2, load_balance_method="total_tokens")
+def test_dp2_identical_to_hf(engine, model_path, arch: str) -> None:
+    outs, ref = _run(engine, model_path, arch, dp_size=2, load_balance_method="total_tokens")
     assert [o["token_ids"] for o in outs] == ref

@@ -89,6 +89,6 @@ def test_up_defaults_to_the_real_model():
     from tandem.cli import build_parser
 
     assert build_parser().parse_args(["up"]).model == "smollm2"
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     first = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
     assert first.endswith("&& tandem up")

@@ -129,16 +129,13 @@ def test_a_character_cut_by_the_limit_is_left_out(tok) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_engine_greedy_equals_hf(smollm2: Path, smollm2_reference: list[dict], overlap: bool) -> None:
-    from tandem.engine.engine import Engine
-
+def test_engine_greedy_equals_hf(engine, smollm2: Path, smollm2_reference: list[dict], overlap: bool) -> None:
     cases = smollm2_reference
-    with Engine(str(smollm2), dtype="float32", disable_overlap_schedule=not overlap,
-                max_total_tokens=4096) as eng:
-        outs = eng.generate([c["prompt_ids"] for c in cases],
-                            [{"temperature": 0, "max_new_tokens": c["max_tokens"]} for c in cases])
-        streamed = "".join(part["text"] for part in eng.generate_stream(
-            cases[4]["prompt_ids"], {"temperature": 0, "max_new_tokens": cases[4]["max_tokens"]}))
+    eng = engine(smollm2, disable_overlap_schedule=not overlap, max_total_tokens=4096)
+    outs = eng.generate([c["prompt_ids"] for c in cases],
+                        [{"temperature": 0, "max_new_tokens": c["max_tokens"]} for c in cases])
+    streamed = "".join(part["text"] for part in eng.generate_stream(
+        cases[4]["prompt_ids"], {"temperature": 0, "max_new_tokens": cases[4]["max_tokens"]}))
     for case, out in zip(cases, outs):
         assert out["token_ids"] == case["ids"], (case["messages"], out["text"], case["text"])
         assert out["text"] == case["text"] and "\ufffd" not in out["text"] and "<|im_end|>" not in out["text"]
@@ -147,13 +144,10 @@ def test_engine_greedy_equals_hf(smollm2: Path, smollm2_reference: list[dict], o
     assert streamed == cases[4]["text"]
 
 
-def test_any_eos_id_ends_the_answer(smollm2: Path, smollm2_reference: list[dict], tmp_path: Path) -> None:
+def test_any_eos_id_ends_the_answer(engine, smollm2: Path, smollm2_reference: list[dict], tmp_path: Path) -> None:
     """Make " Paris" an EOS id: the answer to the first question ends there, with `stop`."""
-    from tandem.engine.engine import Engine
-
     case = smollm2_reference[0]
     paris = case["ids"][5]
-    model = _with_eos(smollm2, tmp_path / "model", [2, paris])
-    with Engine(str(model), dtype="float32", max_total_tokens=4096) as eng:
-        out = eng.generate(case["prompt_ids"], {"temperature": 0, "max_new_tokens": 20})[0]
+    eng = engine(_with_eos(smollm2, tmp_path / "model", [2, paris]), max_total_tokens=4096)
+    out = eng.generate(case["prompt_ids"], {"temperature": 0, "max_new_tokens": 20})[0]
     assert out["token_ids"] == case["ids"][:6] and out["finish_reason"] == "stop"

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from waits import async_wait_until
 
 pytest.importorskip("fastapi")
 from tandem.protocol.messages import AbortReq, GenerateReq, ReqOutput  # noqa: E402
@@ -35,7 +36,8 @@ def test_a_finished_unread_request_frees_its_slot_and_name() -> None:
             gen = front.client.sent[-1]
             assert isinstance(gen, GenerateReq) and gen.rid != "mine"  # the scheduler never sees the client's rid
             front.client.emit([ReqOutput(gen.rid, [5], finished=True)])
-            await asyncio.sleep(0.05)  # delivered on the loop; the client has read nothing
+            # Delivered on the loop (the front forgets the request); the client has read nothing.
+            await async_wait_until(lambda: gen.rid not in front.active, 5, "the last output's delivery")
             again = front.open([1], {"max_new_tokens": 1}, client_rid="mine")
             assert (await stream.next()).token_ids == [5]  # the old answer is still there to read
             front.close(stream)

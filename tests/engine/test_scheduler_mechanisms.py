@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem import Engine
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kvcache.cache_manager import CacheManager
@@ -160,56 +159,40 @@ def test_stop_string_split_across_tokens_is_found(model_path) -> None:
     assert len(tok.encode("STOPHERE")) > 1
 
 
-def test_engine_stops_on_stop_string_and_trims_it(model_path) -> None:
-    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048) as eng:
-        free = eng.generate([[5, 6, 7, 8]], {"max_new_tokens": 24, "temperature": 0})[0]
-        text = free["text"]
-        stop = text[len(text) // 2 : len(text) // 2 + 3]  # three characters from the middle
-        out = eng.generate([[5, 6, 7, 8]], {"max_new_tokens": 24, "temperature": 0, "stop": [stop]})[0]
-        assert out["finish_reason"] == "stop" and out["meta"]["matched_stop"] == stop
-        assert stop not in out["text"] and text.startswith(out["text"])
-        chunks = list(eng.generate_stream([5, 6, 7, 8], {"max_new_tokens": 24, "temperature": 0, "stop": stop}))
-        assert "".join(c["text"] for c in chunks) == out["text"]
-        assert all(r.ok for r in eng.flush_cache())
+def test_engine_stops_on_stop_string_and_trims_it(engine) -> None:
+    eng = engine(max_total_tokens=2048)
+    free = eng.generate([[5, 6, 7, 8]], {"max_new_tokens": 24, "temperature": 0})[0]
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # three characters from the middle
+    out = eng.generate([[5, 6, 7, 8]], {"max_new_tokens": 24, "temperature": 0, "stop": [stop]})[0]
+    assert out["finish_reason"] == "stop" and out["meta"]["matched_stop"] == stop
+    assert stop not in out["text"] and text.startswith(out["text"])
+    chunks = list(eng.generate_stream([5, 6, 7, 8], {"max_new_tokens": 24, "temperature": 0, "stop": stop}))
+    assert "".join(c["text"] for c in chunks) == out["text"]
 
 
-def test_bad_requests_get_clear_errors(model_path) -> None:
-    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=512) as eng:
-        vocab = eng.tokenizer.vocab_size
-        cases = [([vocab + 5], {}), ([1, 2], {"temperature": -1}), ([1] * 400, {"max_new_tokens": 200})]
-        for ids, sp in cases:
-            out = eng.generate([ids], sp)[0]
-            assert out["finish_reason"] == "abort" and out["meta"]["finish_message"]
-        assert all(r.ok for r in eng.flush_cache())
+def test_bad_requests_get_clear_errors(engine) -> None:
+    eng = engine(max_total_tokens=512)
+    vocab = eng.tokenizer.vocab_size
+    cases = [([vocab + 5], {}), ([1, 2], {"temperature": -1}), ([1] * 400, {"max_new_tokens": 200})]
+    for ids, sp in cases:
+        out = eng.generate([ids], sp)[0]
+        assert out["finish_reason"] == "abort" and out["meta"]["finish_message"]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_priority_preempts_lower_priority_running_requests(model_path, overlap: bool) -> None:
-    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
-                 enable_priority_scheduling=True, priority_scheduling_preemption_threshold=1,
-                 disable_overlap_schedule=not overlap)
-    try:
-        long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
-        low = [eng._submit([1, 2, 3, i], long, priority=0) for i in range(2)]
-        for _, q, _ in low:  # both low-priority requests are decoding: each has its first token
-            assert not eng._get(q, timeout=60).finished
-        high = eng._submit([4, 5, 6], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, priority=5)
-        last = eng._get(high[1], timeout=60)
-        while not last.finished:
-            last = eng._get(high[1], timeout=60)
-        assert last.completion_tokens == 4
-        lows = []
-        for rid, q, _ in low:
-            out = eng._get(q, timeout=120)
-            while not out.finished:
-                out = eng._get(q, timeout=120)
-            lows.append(out)
-            eng._close(rid)
-        assert all(o.completion_tokens == 600 for o in lows)
-        assert sum(o.retract_count for o in lows) >= 1, "no running request was preempted"
-        assert all(r.ok for r in eng.flush_cache())
-    finally:
-        eng.shutdown()
+def test_priority_preempts_lower_priority_running_requests(engine, overlap: bool) -> None:
+    eng = engine(max_total_tokens=4096, max_running_requests=2, enable_priority_scheduling=True,
+                 priority_scheduling_preemption_threshold=1, disable_overlap_schedule=not overlap)
+    # 600 tokens: both low-priority requests are still decoding when the high one arrives.
+    long = {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}
+    low = [eng.submit([1, 2, 3, i], long, priority=0) for i in range(2)]
+    assert not any(h.next(timeout=60).finished for h in low)  # each has its first token: both decode
+    high = eng.submit([4, 5, 6], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}, priority=5)
+    assert high.result(timeout=60)[1].completion_tokens == 4
+    lows = [h.result(timeout=120)[1] for h in low]
+    assert all(o.completion_tokens == 600 for o in lows)
+    assert sum(o.retract_count for o in lows) >= 1, "no running request was preempted"
 
 
 def test_dp_budget_dispatch_methods() -> None:
@@ -231,12 +214,12 @@ def test_dp_budget_dispatch_methods() -> None:
         b.dispatch("follow_bootstrap_room", msg())
 
 
-def test_step_metrics_track_load(model_path) -> None:
-    with Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048) as eng:
-        eng.generate([[1, 2, 3]] * 4, {"max_new_tokens": 8, "temperature": 0})
-        reply = eng.flush_cache()[0]
-        assert reply.ok, reply.info
-        m = reply.info["metrics"]
+def test_step_metrics_track_load(engine) -> None:
+    eng = engine(max_total_tokens=2048)
+    eng.generate([[1, 2, 3]] * 4, {"max_new_tokens": 8, "temperature": 0})
+    reply = eng.status()[0]
+    assert reply.ok and reply.info["idle"], reply.info
+    m = reply.info["metrics"]
     assert m["peak_running"] == 4 and 0 < m["peak_kv_usage"] < 1
     assert m["ttft_mean"] > 0 and m["tpot_mean"] > 0 and m["decode_batches"] >= 7
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_checks import assert_whole
 
 from tandem.engine.engine_config import EngineConfig, default_chunked_prefill_size
 from tandem.engine.kvcache.kv_memory import kv_budget_bytes, reserve_bytes
@@ -89,14 +90,13 @@ def test_overlap_forward_waits_for_the_handoff_marked_at_launch() -> None:
 
 
 # ---- the scheduler reads request rows from a host mirror, never from the device ----------------
-def test_scheduler_on_a_mirrored_row_table_matches_and_keeps_the_mirror_exact(monkeypatch) -> None:
+def test_scheduler_on_a_mirrored_row_table_matches_and_keeps_the_mirror_exact(engine, monkeypatch) -> None:
     """Off the CPU the request-row table has a host mirror the scheduler reads (a request's last
     slot each decode step, its slots when it finishes or is cached), so no step waits on the
     GPU. Forced on here: same tokens as the plain table, through prefix hits, chunked prefill
     and overlap, and flush's integrity check finds the mirror equal to the table."""
     import functools
 
-    from tandem.engine.engine import Engine
     from tandem.engine.kvcache import kv_memory
     from tandem.engine.kvcache.req_table import ReqToTokenPool
 
@@ -108,12 +108,12 @@ def test_scheduler_on_a_mirrored_row_table_matches_and_keeps_the_mirror_exact(mo
               disable_overlap_schedule=False)
 
     def run() -> tuple[list[list[int]], bool]:
-        with Engine("tiny", **kw) as eng:
-            out = [r["token_ids"] for r in eng.generate(prompts[:1], params[:1])]  # cached, then hit
-            out += [r["token_ids"] for r in eng.generate(prompts[1:], params[1:])]
-            assert all(r.ok for r in eng.flush_cache())
-            table = eng._backend.scheduler.runner.req_to_token_pool
-            return out, table.host is not table.req_to_token
+        eng = engine(**kw)
+        out = [r["token_ids"] for r in eng.generate(prompts[:1], params[:1])]  # cached, then hit
+        out += [r["token_ids"] for r in eng.generate(prompts[1:], params[1:])]
+        assert_whole(eng)  # the check compares the mirror with the table
+        table = eng.scheduler.runner.req_to_token_pool
+        return out, table.host is not table.req_to_token
 
     plain, mirrored = run()
     assert not mirrored

@@ -9,10 +9,10 @@ Every scenario ends with the pool whole (flush_cache runs the integrity check)."
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
+from engine_checks import assert_whole
 
 from tandem import Engine
 
@@ -21,48 +21,29 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = {"good": [5, 6, 7, 8, 9], "bad": [11, 12, 13], "later": [20, 21, 22, 23]}
 
 
-def _engine(model_path: Any, overlap: bool) -> Engine:
-    return Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
-                  disable_overlap_schedule=not overlap)
-
-
-def _run(eng: Engine, pending: list[tuple[str, Any, list[int]]]) -> list[tuple[list[int], Any]]:
-    """Each submitted request's tokens and last output."""
-    results = []
-    for rid, q, _ in pending:
-        tokens, last = [], None
-        while last is None or not last.finished:
-            last = eng._get(q, timeout=60)
-            tokens += last.token_ids
-        eng._close(rid)
-        results.append((tokens, last))
-    return results
-
-
 def _submit_together(eng: Engine, jobs: list[tuple[list[int], dict]]) -> list[tuple[list[int], Any]]:
     """Submit `jobs` while the loop waits at a gate, so that it receives them in one go: the
-    first max_running_requests of them share a batch."""
-    sched = eng._backend.scheduler
-    plain, gate = sched.recv_requests, threading.Event()
-    sched.recv_requests = lambda block: (gate.wait(), plain(block))[1]
-    time.sleep(0.2)  # past the loop's current receive: it now waits at the gate
-    pending = [eng._submit(ids, sp) for ids, sp in jobs]
-    gate.set()
+    first max_running_requests of them share a batch. Each job's tokens and last output."""
+    sched = eng.scheduler
+    plain, at_gate, gate = sched.recv_requests, threading.Event(), threading.Event()
+    sched.recv_requests = lambda block: (at_gate.set(), gate.wait(), plain(block))[2]
+    assert at_gate.wait(30), "the scheduler loop never came back to receive"
+    handles = [eng.submit(ids, sp) for ids, sp in jobs]
     del sched.recv_requests
-    return _run(eng, pending)
-
-
-def _pool_whole(eng: Engine) -> None:
-    assert eng._backend.error is None
-    assert all(r.ok for r in eng.flush_cache())
+    gate.set()
+    return [h.result(timeout=60) for h in handles]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["normal", "overlap"])
-def engine(request, model_path):
-    eng = _engine(model_path, request.param)
-    refs = {name: eng.generate(ids, GREEDY)[0]["token_ids"] for name, ids in PROMPTS.items()}
-    yield eng, refs
-    eng.shutdown()
+def shared(request, model_path):
+    """One engine per loop for the module's fault tests, and the clean run's tokens."""
+    eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=4096, max_running_requests=2,
+                 disable_overlap_schedule=not request.param)
+    try:
+        refs = {name: eng.generate(ids, GREEDY)[0]["token_ids"] for name, ids in PROMPTS.items()}
+        yield eng, refs
+    finally:
+        eng.shutdown()
 
 
 def _inject(sched: Any, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,9 +83,9 @@ def _inject(sched: Any, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("stage", ["prefill", "decode", "build", "process"])
-def test_a_failing_batch_fails_alone(engine, stage: str, monkeypatch) -> None:
-    eng, refs = engine
-    _inject(eng._backend.scheduler, stage, monkeypatch)
+def test_a_failing_batch_fails_alone(shared, stage: str, monkeypatch) -> None:
+    eng, refs = shared
+    _inject(eng.scheduler, stage, monkeypatch)
     bad = {**GREEDY, "seed": BAD_SEED}
     # good and bad share every batch (max_running_requests=2); later waits for a slot.
     (good_ids, good), (bad_ids, bad_out), (later_ids, later) = _submit_together(
@@ -117,8 +98,8 @@ def test_a_failing_batch_fails_alone(engine, stage: str, monkeypatch) -> None:
     assert later_ids == refs["later"] and later.finish_reason["kind"] == "length"
     again = eng.generate([PROMPTS["good"], PROMPTS["later"]], GREEDY)
     assert [r["token_ids"] for r in again] == [refs["good"], refs["later"]]
-    assert eng._backend.scheduler.faults.failed_batches >= 1
-    _pool_whole(eng)
+    assert eng.scheduler.faults.failed_batches >= 1
+    assert_whole(eng)
 
 
 HOSTILE = [
@@ -130,10 +111,10 @@ HOSTILE = [
 ]
 
 
-def test_hostile_values_are_refused_alone(engine) -> None:
+def test_hostile_values_are_refused_alone(shared) -> None:
     """Before the fix, top_k=2**63 overflowed the sampler's int64 tensor inside the forward and
     the exception ended the scheduler loop."""
-    eng, refs = engine
+    eng, refs = shared
     sampled = {"max_new_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True}
     jobs = [(PROMPTS["good"], {**sampled, **bad}) for bad in HOSTILE]
     jobs += [([1.5, 2], GREEDY), ([10**26], GREEDY), (["a"], GREEDY), ([-1], GREEDY)]
@@ -145,27 +126,25 @@ def test_hostile_values_are_refused_alone(engine) -> None:
     for top_k in (2**63 - 1, 10**9):
         assert eng.generate(PROMPTS["good"], {**sampled, "top_k": top_k})[0]["token_ids"] == whole
     assert eng.generate(PROMPTS["good"], GREEDY)[0]["token_ids"] == refs["good"]
-    _pool_whole(eng)
+    assert_whole(eng)
 
 
-def test_a_fatal_fault_still_ends_the_scheduler(model_path, monkeypatch) -> None:
+def test_a_fatal_fault_still_ends_the_scheduler(engine, monkeypatch) -> None:
     """An assertion (a broken invariant: the pools may be inconsistent) is not contained."""
     monkeypatch.setattr(threading, "excepthook", lambda args: None)
-    eng = _engine(model_path, overlap=False)
-    try:
-        sched = eng._backend.scheduler
-        forward = sched.worker.forward_batch_generation
+    eng = engine(max_total_tokens=4096, max_running_requests=2, disable_overlap_schedule=True)
+    sched = eng.scheduler
+    forward = sched.worker.forward_batch_generation
 
-        def broken(mwb, *args, **kw):
-            if any(p.seed == BAD_SEED for p in mwb.sampling_params):
-                raise AssertionError("injected broken invariant")
-            return forward(mwb, *args, **kw)
+    def broken(mwb, *args, **kw):
+        if any(p.seed == BAD_SEED for p in mwb.sampling_params):
+            raise AssertionError("injected broken invariant")
+        return forward(mwb, *args, **kw)
 
-        monkeypatch.setattr(sched.worker, "forward_batch_generation", broken)
-        with pytest.raises(RuntimeError, match="injected broken invariant"):
-            eng.generate(PROMPTS["bad"], {**GREEDY, "seed": BAD_SEED})
-    finally:
-        eng.shutdown()
+    monkeypatch.setattr(sched.worker, "forward_batch_generation", broken)
+    with pytest.raises(RuntimeError, match="injected broken invariant"):
+        eng.generate(PROMPTS["bad"], {**GREEDY, "seed": BAD_SEED})
+    eng.shutdown()  # the scheduler is gone on purpose: nothing whole to check
 
 
 def test_which_faults_are_contained() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_decode.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
 ROW_NUMBERS = ("engine_step_ms", "hf_step_ms", "engine_tok_s", "hf_tok_s", "engine_over_hf", "bytes_per_step",
                "kv_bytes_per_step", "roofline_step_ms", "engine_pct_roofline", "hf_pct_roofline")
 PREFILL_NUMBERS = ("engine_ms", "hf_ms", "hf_over_engine", "engine_tok_s", "hf_tok_s")

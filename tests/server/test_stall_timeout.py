@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from waits import wait_until
 
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("httptools")
@@ -47,9 +48,7 @@ def _serving(closed: threading.Event) -> Iterator[int]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: server.started, 20, "uvicorn to start")
         yield port
     finally:
         server.should_exit = True
