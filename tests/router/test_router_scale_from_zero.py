@@ -30,7 +30,7 @@ from tandem.router.app import build_app  # noqa: E402
 from tandem.router.config import RouterConfig  # noqa: E402
 from tandem.router.workers import DECODE, PREFILL, Worker, WorkerSet  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("fake_worker", Path(__file__).parents[1] / "bench" / "fake_worker.py")
+_spec = importlib.util.spec_from_file_location("fake_worker", Path(__file__).parents[2] / "bench" / "fake_worker.py")
 fake_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_worker)
 

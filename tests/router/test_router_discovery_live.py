@@ -33,7 +33,7 @@ from tandem.router.workers import COLOCATED, DECODE, PREFILL, WorkerSet  # noqa:
 
 # kmock reads its bundled resource list with a deprecated importlib API; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NS, PODS = "serving", "v1/pods"
 READY = [{"type": "Ready", "status": "True"}]
 
