@@ -32,7 +32,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     # None: overlap on CUDA, normal loop on CPU, where overlap measured ~8% slower
-    # (the forward thread waits on the GIL; docs/benchmarks.md, goal b).
+    # (the forward thread waits on the GIL; docs/benchmarks.md, "Overlap vs normal loop").
     disable_overlap_schedule: bool | None = None
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False

@@ -1,4 +1,4 @@
-"""One hostile request must never take the scheduler down (issue 24).
+"""One hostile request must never take the scheduler down.
 
 Hostile values are refused alone, before any batch (request_validation.py); a fault injected
 into a batch (building it, its forward, processing its results) fails that batch's requests

@@ -1,4 +1,4 @@
-"""One hostile request must never take a worker down (issue 24), through a real `tandem serve`:
+"""One hostile request must never take a worker down, through a real `tandem serve`:
 every unbounded value is a 400 and the worker goes on serving; a client's rid is only its
 name, so reusing it right after a disconnect or an abort reaches the new request; and a worker
 whose scheduler died exits (non-zero) instead of lingering on 503s. Each ends with the pool
