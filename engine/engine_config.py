@@ -32,7 +32,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
     # None: overlap on CUDA, normal loop on CPU, where overlap measured ~8% slower
-    # (the forward thread waits on the GIL; docs/benchmarks.md, goal b).
+    # (the forward thread waits on the GIL; docs/benchmarks.md, "Overlap vs normal loop").
     disable_overlap_schedule: bool | None = None
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
@@ -46,7 +46,7 @@ class EngineConfig:
     max_context_len: int | None = None
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
     running_timeout: float | None = None  # seconds a request may run before it is aborted
-    # Congestion control of the KV budget (the seeds' new_token_ratio).
+    # Congestion control of the KV budget (SGLang's new_token_ratio).
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
