@@ -1,12 +1,12 @@
-"""Prefill/decode disaggregation against colocated serving, and its two beyond-the-anchors
-features, each as a ratio from one run:
+"""Prefill/decode disaggregation against colocated serving, and its two features beyond
+SGLang's PD, each as a ratio from one run:
 
     python bench/pd.py --model small --rounds 3
 
 Workers (all `tandem serve`, started here; every one stays up for the whole run):
     prefill  P
     decode   D  (the product defaults: decode-side prefix reuse on, local prefill <= 32 tokens)
-    decode   D0 (the anchors' behaviour: reuse off, every request disaggregated)
+    decode   D0 (SGLang's behaviour: reuse off, every request disaggregated)
     colocated C
 
 Workloads (greedy, ignore_eos, sent through a minimal PD router: the same body to P and

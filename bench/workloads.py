@@ -58,7 +58,7 @@ def throughput_workload(
 
 
 # Named shapes of throughput_workload, the same on both sides of a comparison:
-# "throughput" is the mixed workload; "prefill" and "decode" split it into
+# "throughput" is the mixed workload the vLLM comparison uses; "prefill" and "decode" split it into
 # its two phases, to show which one a gap between engines comes from.
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     "throughput": {"prompt_len": (32, 256), "output_len": (64, 128)},

@@ -46,7 +46,7 @@ class EngineConfig:
     max_context_len: int | None = None
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
     running_timeout: float | None = None  # seconds a request may run before it is aborted
-    # Congestion control of the KV budget (the seeds' new_token_ratio).
+    # Congestion control of the KV budget (SGLang's new_token_ratio).
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600

@@ -1,4 +1,4 @@
-"""The KV store of the seeds: TokenToKVPool, KV slot index -> per-layer K and V vectors.
+"""The KV store, SGLang's TokenToKVPool: KV slot index -> per-layer K and V vectors.
 (The request -> slot table beside it is req_table.py.)
 
 The KV storage is ONE contiguous tensor for all layers so that a transfer engine (NIXL) can

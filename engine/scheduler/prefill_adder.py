@@ -28,7 +28,7 @@ class AddReqResult(Enum):
 
 
 def reserved_tokens(running: list[Req], new_token_ratio: float, clip: int) -> float:
-    """KV the running requests are still expected to need (the seeds' reservation): each
+    """KV the running requests are still expected to need (SGLang's reservation): each
     request's remaining max_new_tokens (clipped), times new_token_ratio."""
     return sum(min(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0), clip) * new_token_ratio
                for r in running)

@@ -6,7 +6,7 @@
        |                   CHUNKED                      |
        +------- RETRACTED <-----------------------------+  (KV reclaimed; re-prefilled later)
 
-Token bookkeeping for one round of prefill (the seeds' names):
+Token bookkeeping for one round of prefill (SGLang's names):
 
     fill_ids         = origin_input_ids + output_ids  (possibly truncated to a chunk)
     prefix_indices   = KV slots of the cached prefix (radix hit or earlier chunks)

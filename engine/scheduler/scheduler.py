@@ -3,7 +3,7 @@
     normal loop:   recv -> schedule N -> run N -> process N
     overlap loop:  recv -> schedule N -> launch N -> process N-1 -> (N in flight)
 
-The overlap loop reads like the seeds' timing diagram: while the forward
+The overlap loop follows SGLang's overlap scheduler: while the forward
 thread computes batch N, this thread processes N-1's results and builds N+1
 (whose decode inputs are N's futures). Two consecutive prefills do not
 overlap, so the first prefill's tokens reach the client before the second runs.
