@@ -1,4 +1,4 @@
-"""The GPU path's device side, tested on CPU (issue: the GPU path works by default).
+"""The GPU path's device side, tested on CPU, so that the GPU path works by default.
 
 Which attention backend a model gets, the CUDA-graph runner's static inputs, buckets,
 padding and output contract (through a capture that re-runs the forward instead of
