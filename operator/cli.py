@@ -17,7 +17,7 @@ import yaml
 from tandem.operator import names
 
 if TYPE_CHECKING:
-    from tandem.operator.policy import OperatorPolicy
+    from tandem.operator.security.operator_policy import OperatorPolicy
 
 
 def register(sub: Any) -> None:
@@ -72,10 +72,10 @@ def _load(filename: str) -> list[dict[str, Any]]:
 
 
 def render_command(args: argparse.Namespace) -> int:
-    from tandem.operator.policy import OperatorPolicy
     from tandem.operator.reconcile import reconcile
-    from tandem.operator.spec import SpecError
-    from tandem.operator.spec_unknown import unknown_fields
+    from tandem.operator.security.operator_policy import OperatorPolicy
+    from tandem.operator.spec.service_spec import SpecError
+    from tandem.operator.spec.unknown_fields import unknown_fields
 
     docs = [d for d in _load(args.filename) if d.get("kind") == names.KIND]
     if not docs:
@@ -91,7 +91,7 @@ def render_command(args: argparse.Namespace) -> int:
         except SpecError as exc:
             print(f"error: {names.KIND} {cr.get('metadata', {}).get('name')!r}: {exc}", file=sys.stderr)
             return 1
-    for cr in docs:  # not a child: the operator creates it once, with a random key (pd_secret.py)
+    for cr in docs:  # not a child: the operator creates it once, with a random key (security/pd_secret.py)
         secret = names.pd_secret_name(str((cr.get("metadata") or {}).get("name")))
         print(f"# Prefill and decode pods read TANDEM_PD_SECRET from Secret {secret} (data key "
               f"'{names.PD_SECRET_KEY}'),\n# which the operator creates; applying this without the operator, create "
@@ -104,7 +104,7 @@ def render_command(args: argparse.Namespace) -> int:
 def policy_from(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> OperatorPolicy:
     """The OperatorPolicy the flags ask for; the operator's own namespace is always allowed
     to reach the workers' HTTP port, because the operator scrapes their metrics from there."""
-    from tandem.operator.policy import OperatorPolicy
+    from tandem.operator.security.operator_policy import OperatorPolicy
 
     own = environ.get("POD_NAMESPACE", "")
     namespaces = dict.fromkeys([own, *args.http_from_namespace] if own else args.http_from_namespace)
@@ -123,7 +123,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def crd_command(args: argparse.Namespace) -> int:
-    from tandem.operator.crd import build_crds
+    from tandem.operator.spec.crd import build_crds
 
     yaml.safe_dump_all(build_crds(), sys.stdout, sort_keys=False)
     return 0

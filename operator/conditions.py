@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.operator.schema_status import CONDITION_TYPES
+from tandem.operator.spec.status_schema import CONDITION_TYPES
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import httpx
 import kopf
 
 from tandem.operator import names, telemetry
-from tandem.operator.autoscaler import ServiceMemory
 from tandem.operator.kubeapi import KubeApi, credentials_from_kopf
-from tandem.operator.policy import OperatorPolicy
+from tandem.operator.scaling.autoscale_round import ServiceMemory
+from tandem.operator.security.operator_policy import OperatorPolicy
 from tandem.operator.sync import SyncResult, sync
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)

@@ -174,7 +174,7 @@ class KubeApi:
 
     async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """A plain create (POST): 409 AlreadyExists when the object exists, which apply never says.
-        For objects that must be written once and never overwritten (pd_secret.py)."""
+        For objects that must be written once and never overwritten (security/pd_secret.py)."""
         meta = manifest["metadata"]
         path = resource_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         response = await self._send("POST", path, params={"fieldManager": self.field_manager},

@@ -48,7 +48,7 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-# The model generation (generation.py): worker Deployments select on it, so each generation's
+# The model generation (rollout/generation_hash.py): worker Deployments select on it, so each generation's
 # pods belong to that generation's Deployment only, and the router pairs within one generation.
 LABEL_GENERATION = contract.GENERATION_LABEL
 GENERATION_LENGTH = 10

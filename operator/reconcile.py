@@ -12,22 +12,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.engine_config import engine_configmap
-from tandem.operator.generation import generation_of
-from tandem.operator.harden import harden_deployment
-from tandem.operator.network import (
+from tandem.operator.render.engine_configmap import engine_configmap
+from tandem.operator.render.network import (
     disruption_budget,
     generation_prefill_service,
     headless_service,
     kv_network_policy,
 )
-from tandem.operator.policy import OperatorPolicy, policy_problems
-from tandem.operator.ratio import Pair, nearest_feasible
-from tandem.operator.role_scaler import role_scaler
-from tandem.operator.router import router_deployment, router_rbac, router_service
-from tandem.operator.scaling import clamp
-from tandem.operator.spec import ServiceSpec, SpecError, parse_service
-from tandem.operator.workers import worker_deployment
+from tandem.operator.render.router_children import router_deployment, router_rbac, router_service
+from tandem.operator.render.worker_deployment import worker_deployment
+from tandem.operator.rollout.generation_hash import generation_of
+from tandem.operator.scaling.decision import clamp
+from tandem.operator.scaling.pd_ratio import Pair, nearest_feasible
+from tandem.operator.scaling.role_scaler import role_scaler
+from tandem.operator.security.harden import harden_deployment
+from tandem.operator.security.operator_policy import OperatorPolicy, policy_problems
+from tandem.operator.spec.service_spec import ServiceSpec, SpecError, parse_service
 
 # Children are applied in this order: config and identities before the pods that use them.
 CHILD_KINDS = (
@@ -95,7 +95,7 @@ def desired_replicas(svc: ServiceSpec, status: dict[str, Any] | None,
 def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, policy: OperatorPolicy,
                      new: Pair | None = None) -> list[dict[str, Any]]:
     """The current generation's children plus the role-wide ones. `new`: the current generation's
-    (prefill, decode) pods while a rollout is under way (rollout.py), else the full counts."""
+    (prefill, decode) pods while a rollout is under way (rollout/step.py), else the full counts."""
     new = new or (replicas.prefill, replicas.decode)
     children: list[dict[str, Any]] = [engine_configmap(svc, generation), *router_rbac(svc)]
     children += [headless_service(svc, role) for role in names.WORKER_ROLES]
@@ -105,7 +105,7 @@ def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, 
     children += [worker_deployment(svc, names.PREFILL, new[0], generation),
                  worker_deployment(svc, names.DECODE, new[1], generation)]
     children.append(router_deployment(svc, replicas.router))
-    if not policy.allow_host_access:  # after the template merge: no override keeps a privilege (harden.py)
+    if not policy.allow_host_access:  # after the template merge: no override keeps a privilege (security/harden.py)
         children = [harden_deployment(c) if c["kind"] == "Deployment" else c for c in children]
     order = {kind: pos for pos, kind in enumerate(CHILD_KINDS)}
     return sorted(children, key=lambda c: order[(c["apiVersion"], c["kind"])])

@@ -1,6 +1,6 @@
 """Status from observed children: per-role counts, conditions, URL and SLO attainment. Pure.
 
-Decode pods turn ready only after a KV handshake with a prefill pod (workers.py), so
+Decode pods turn ready only after a KV handshake with a prefill pod (render/worker_deployment.py), so
 `Ready` = prefill, decode and router each have a ready pod, and no decode metrics say
 the handshake is down: a real prefill -> decode path exists.
 """
@@ -13,7 +13,7 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.conditions import Condition, merge_conditions
 from tandem.operator.reconcile import RoleReplicas
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 @dataclass(frozen=True)

@@ -23,18 +23,20 @@ from typing import Any
 import httpx
 import kopf
 
-from tandem.operator import deletion_cost, names, pd_secret, role_scaler
-from tandem.operator import generations as gens
-from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
+from tandem.operator import names
 from tandem.operator.conditions import Condition, merge_conditions
-from tandem.operator.generation import generation_of
 from tandem.operator.kubeapi import ApiError, KubeApi
-from tandem.operator.meta import is_owned_by
-from tandem.operator.policy import OperatorPolicy, policy_problems
 from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
-from tandem.operator.rollout import GenCounts, Step, step
-from tandem.operator.spec import ServiceSpec, SpecError, parse_service
-from tandem.operator.spec_unknown import unknown_fields
+from tandem.operator.render.child_meta import is_owned_by
+from tandem.operator.rollout import generation_deployments as gens
+from tandem.operator.rollout.generation_hash import generation_of
+from tandem.operator.rollout.step import GenCounts, Step, step
+from tandem.operator.scaling import deletion_cost, role_scaler
+from tandem.operator.scaling.autoscale_round import ServiceMemory, plan, read_metrics
+from tandem.operator.security import pd_secret
+from tandem.operator.security.operator_policy import OperatorPolicy, policy_problems
+from tandem.operator.spec.service_spec import ServiceSpec, SpecError, parse_service
+from tandem.operator.spec.unknown_fields import unknown_fields
 from tandem.operator.status import (
     ClusterView,
     ScalingReport,
@@ -113,7 +115,7 @@ async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
 
 async def _prefer_idle_pods(api: KubeApi, svc: ServiceSpec, gen: gens.Generation | None,
                            new: tuple[int, int], memory: ServiceMemory, logger: Any) -> None:
-    """Ahead of a scale-down, rank the role's pods by load so the idlest go (deletion_cost.py)."""
+    """Ahead of a scale-down, rank the role's pods by load so the idlest go (scaling/deletion_cost.py)."""
     if gen is None or memory.scrape is None:
         return
     for role, index in gens.ROLE_INDEX.items():
@@ -192,7 +194,7 @@ async def _converge(api: KubeApi, svc: ServiceSpec, replicas: RoleReplicas, curr
 async def _metrics(api: KubeApi, http: httpx.AsyncClient, svc: ServiceSpec, memory: ServiceMemory,
                    logger: Any) -> dict[str, Any]:
     # Metrics only steer scaling; failing to read them must never block applying the spec. Each
-    # fetch has its own cap and deadline (bounded_fetch.py); the round as a whole has this one.
+    # fetch has its own cap and deadline (scaling/bounded_fetch.py); the round as a whole has this one.
     try:
         async with asyncio.timeout(METRICS_ROUND_S):
             return await read_metrics(api, http, svc, memory)

@@ -11,7 +11,7 @@ import pytest
 from operator_support import KUBE_VERSIONS, kube_validate, merge_patch
 from operator_support import render_chart as render
 
-from tandem.operator.deletion_cost import ANNOTATION
+from tandem.operator.scaling.deletion_cost import ANNOTATION
 
 celpy = pytest.importorskip("celpy", reason="pip install cel-python (operator-test)")
 pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_operator_sync import FakeApiServer, run_sync  # noqa: E402
 
-from tandem.operator.spec import SpecError, parse_service  # noqa: E402
+from tandem.operator.spec.service_spec import SpecError, parse_service  # noqa: E402
 
 _LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(10**12), 10**12), st.floats(allow_nan=True),
                   st.text(max_size=12), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5),

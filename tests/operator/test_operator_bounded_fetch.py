@@ -18,10 +18,10 @@ import pytest
 from test_operator_sync import LOG, FakeApiServer
 
 from tandem.operator import sync as sync_module
-from tandem.operator.autoscaler import ServiceMemory
-from tandem.operator.bounded_fetch import MAX_BYTES, FetchError, FetchLimits, fetch_text
 from tandem.operator.kubeapi import KubeApi
-from tandem.operator.metrics_source import PodRef, PrometheusReader, ScrapeReader
+from tandem.operator.scaling.autoscale_round import ServiceMemory
+from tandem.operator.scaling.bounded_fetch import MAX_BYTES, FetchError, FetchLimits, fetch_text
+from tandem.operator.scaling.metrics_source import PodRef, PrometheusReader, ScrapeReader
 
 GOOD = b"tandem_num_queue_reqs 3\ntandem_num_running_reqs 1\n"
 CHUNK = b"x" * 65536

@@ -17,7 +17,7 @@ from operator_support import CHART_DIR, KUBE_VERSIONS, kube_validate
 from operator_support import render_chart as render
 
 from tandem.operator.cli import register
-from tandem.operator.crd import build_crds
+from tandem.operator.spec.crd import build_crds
 
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
 

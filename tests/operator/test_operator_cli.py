@@ -12,9 +12,9 @@ import yaml
 from operator_support import EXAMPLES_DIR, REPO, load_example
 
 from tandem.operator.cli import policy_from, register
-from tandem.operator.crd import build_crds
-from tandem.operator.policy import OperatorPolicy
 from tandem.operator.reconcile import reconcile
+from tandem.operator.security.operator_policy import OperatorPolicy
+from tandem.operator.spec.crd import build_crds
 
 
 def run_module(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -98,8 +98,8 @@ def test_operator_never_imports_torch() -> None:
     code = (
         "import pkgutil, importlib, sys, tandem.operator as op\n"
         "import tandem.metric_names\n"
-        "mods = [m.name for m in pkgutil.iter_modules(op.__path__)]\n"
-        "[importlib.import_module('tandem.operator.' + m) for m in mods]\n"
+        "mods = [m.name for m in pkgutil.walk_packages(op.__path__, 'tandem.operator.')]\n"
+        "[importlib.import_module(m) for m in mods]\n"
         "heavy = sorted(n for n in ('torch', 'transformers', 'numpy') if n in sys.modules)\n"
         "print(len(mods), heavy)\n"
     )

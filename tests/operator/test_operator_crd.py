@@ -11,9 +11,9 @@ import pytest
 import yaml
 from operator_support import CHART_DIR, KUBE_VERSIONS, example_paths, kube_validate, load_example
 
-from tandem.operator.crd import SCALE_SUBRESOURCE, build_crd, build_crds, spec_schema
-from tandem.operator.defaults import apply_defaults
-from tandem.operator.schema import ROOT_SCHEMA
+from tandem.operator.spec.crd import SCALE_SUBRESOURCE, build_crd, build_crds, spec_schema
+from tandem.operator.spec.schema_defaults import apply_defaults
+from tandem.operator.spec.spec_schema import ROOT_SCHEMA
 
 # The chart's templates/crds.yaml includes this file (tests/operator/test_operator_chart.py renders it).
 CHART_CRDS = CHART_DIR / "files" / "crds.yaml"

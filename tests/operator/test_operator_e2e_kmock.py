@@ -265,7 +265,7 @@ def test_operator_restart_midway_converges_without_duplicates(env: Env) -> None:
                       lambda: (c := env.all_children("e2e-restart")) and len(c) == N_AUTOSCALING and c)
     uids = {(c["kind"], c["metadata"]["name"]): c["metadata"]["uid"] for c in before}
     env.stop_operator(signal.SIGKILL)  # a crash: no cleanup, no graceful shutdown
-    # Edits that keep the model generation (generation.py), so they roll within the same
+    # Edits that keep the model generation (rollout/generation_hash.py), so they roll within the same
     # Deployments; an engine change would start a new generation by design.
     env.kubectl("patch", "tisvc", "e2e-restart", "--type=merge",
                 "-p", '{"spec":{"prefill":{"replicas":3,"extraArgs":["--e2e-marker"]}}}')

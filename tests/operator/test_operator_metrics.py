@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from tandem import metric_names as m
-from tandem.operator import promtext
-from tandem.operator.autoscaler import ServiceMemory, plan, read_metrics
-from tandem.operator.metrics_source import PodRef, PrometheusReader, ScrapeReader, ready_pods
-from tandem.operator.signals import RoleMetrics, pod_metrics, role_metrics, signal_value
-from tandem.operator.spec import parse_service
+from tandem.operator.scaling import prometheus_text
+from tandem.operator.scaling.autoscale_round import ServiceMemory, plan, read_metrics
+from tandem.operator.scaling.metrics_source import PodRef, PrometheusReader, ScrapeReader, ready_pods
+from tandem.operator.scaling.signals import RoleMetrics, pod_metrics, role_metrics, signal_value
+from tandem.operator.spec.service_spec import parse_service
 
 
 def exposition(queue: float, running: float, kv: float, handshake: float | None,
@@ -38,23 +38,23 @@ def exposition(queue: float, running: float, kv: float, handshake: float | None,
 
 
 def test_parser_reads_labels_and_skips_garbage() -> None:
-    samples = promtext.parse('a{x="1",y="q\\"z"} 2.5\n# comment\nnot a sample line at all\nb 3 1700000000\n')
+    samples = prometheus_text.parse('a{x="1",y="q\\"z"} 2.5\n# comment\nnot a sample line at all\nb 3 1700000000\n')
     assert [(s.name, s.value) for s in samples] == [("a", 2.5), ("b", 3.0)]
     assert samples[0].label("y") == 'q\\"z'
 
 
 def test_histogram_quantile_interpolates_like_promql() -> None:
     hist = {0.5: 50.0, 1.0: 90.0, 2.0: 100.0, float("inf"): 100.0}
-    assert promtext.quantile(0.5, hist) == pytest.approx(0.5)
-    assert promtext.quantile(0.95, hist) == pytest.approx(1.5)
-    assert promtext.quantile(0.95, {1.0: 0.0, float("inf"): 0.0}) is None
-    assert promtext.quantile(0.99, {1.0: 1.0, float("inf"): 10.0}) == 1.0  # above the last finite bucket
+    assert prometheus_text.quantile(0.5, hist) == pytest.approx(0.5)
+    assert prometheus_text.quantile(0.95, hist) == pytest.approx(1.5)
+    assert prometheus_text.quantile(0.95, {1.0: 0.0, float("inf"): 0.0}) is None
+    assert prometheus_text.quantile(0.99, {1.0: 1.0, float("inf"): 10.0}) == 1.0  # above the last finite bucket
 
 
 def test_delta_handles_counter_resets() -> None:
     before = {1.0: 10.0, float("inf"): 12.0}
-    assert promtext.delta({1.0: 15.0, float("inf"): 20.0}, before) == {1.0: 5.0, float("inf"): 8.0}
-    assert promtext.delta({1.0: 2.0, float("inf"): 2.0}, before) == {1.0: 2.0, float("inf"): 2.0}
+    assert prometheus_text.delta({1.0: 15.0, float("inf"): 20.0}, before) == {1.0: 5.0, float("inf"): 8.0}
+    assert prometheus_text.delta({1.0: 2.0, float("inf"): 2.0}, before) == {1.0: 2.0, float("inf"): 2.0}
 
 
 def test_role_metrics_aggregate_pods_and_use_histogram_deltas() -> None:

@@ -11,9 +11,9 @@ import pytest
 from operator_support import EXAMPLES_DIR, load_example
 from test_operator_sync import FakeApiServer, run_sync
 
-from tandem.operator.policy import OperatorPolicy
 from tandem.operator.reconcile import reconcile
-from tandem.operator.spec import SpecError
+from tandem.operator.security.operator_policy import OperatorPolicy
+from tandem.operator.spec.service_spec import SpecError
 
 REFUSED = {
     "hostNetwork": {"spec": {"hostNetwork": True}},

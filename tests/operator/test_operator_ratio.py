@@ -6,10 +6,10 @@ import random
 
 from operator_support import EXAMPLES_DIR, load_example
 
-from tandem.operator import ratio
-from tandem.operator.autoscaler import plan
-from tandem.operator.ratio import nearest_feasible, ratio_feasible, ratio_ok
-from tandem.operator.spec import parse_service
+from tandem.operator.scaling import pd_ratio
+from tandem.operator.scaling.autoscale_round import plan
+from tandem.operator.scaling.pd_ratio import nearest_feasible, ratio_feasible, ratio_ok
+from tandem.operator.spec.service_spec import parse_service
 
 
 def _brute(wp: int, wd: int, pr: tuple[int, int], dr: tuple[int, int], lo: float, hi: float):
@@ -51,14 +51,14 @@ def test_plan_at_1000_replicas_does_linear_work(monkeypatch) -> None:
         cr["spec"][role].update({"minReplicas": 1, "maxReplicas": 1000, "replicas": 1})
     cr["spec"]["autoscaling"]["ratio"] = {"min": 0.001, "max": 0.002}  # feasible only at large D
     calls = 0
-    real = ratio.ratio_ok
+    real = pd_ratio.ratio_ok
 
     def counting(*args: object) -> bool:
         nonlocal calls
         calls += 1
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ratio, "ratio_ok", counting)
+    monkeypatch.setattr(pd_ratio, "ratio_ok", counting)
     svc = parse_service(cr)
     result = plan(svc, {}, {}, None, now=1000.0)
     assert result.state is not None and result.state.decode.replicas >= 500

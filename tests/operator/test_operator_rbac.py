@@ -1,7 +1,7 @@
 """The chart's RBAC against what the operator's code uses: nothing missing, nothing extra.
 
 USED is the table of record, each verb with the reason it is needed. Three checks keep it honest:
-every API call in operator/*.py whose resource can be read off the call (a static scan), and the
+every API call in operator/ whose resource can be read off the call (a static scan), and the
 apply/list/delete of every kind in CHILD_KINDS, must be granted; and every rule the operator
 puts into a Role it creates must be held by the operator (RBAC forbids granting more than one
 holds, short of the `escalate` verb, which the operator does not get).
@@ -21,8 +21,8 @@ from operator_support import render_chart as render
 import tandem.operator as operator_pkg
 from tandem.operator import names
 from tandem.operator.kubeapi import PLURALS
-from tandem.operator.policy import OperatorPolicy
 from tandem.operator.reconcile import CHILD_KINDS, reconcile
+from tandem.operator.security.operator_policy import OperatorPolicy
 
 pytest.importorskip("helm_python", reason="pip install helm-python-sdk (operator-test)")
 
@@ -32,8 +32,8 @@ USED: dict[Key, tuple[set[str], str]] = {
     ("tandem.dev", "inferenceservices"): ({"list", "watch", "patch"}, "kopf: watch stream, finalizer, annotations"),
     ("tandem.dev", "inferenceservices/status"): ({"patch"}, "kopf writes the status the handlers return"),
     ("tandem.dev", "rolescalers"): (CHILD | {"watch"}, "a child; watch as the RoleScaler design asks"),
-    ("tandem.dev", "rolescalers/status"): ({"get", "patch"}, "role_scaler.py merge-patches the scale readout"),
-    ("apps", "deployments"): (CHILD, "child; generations.py merge-patches replicas"),
+    ("tandem.dev", "rolescalers/status"): ({"get", "patch"}, "scaling/role_scaler.py merge-patches the scale readout"),
+    ("apps", "deployments"): (CHILD, "child; rollout/generation_deployments.py merge-patches replicas"),
     ("", "services"): (CHILD, "child"),
     ("", "configmaps"): (CHILD, "child"),
     ("", "serviceaccounts"): (CHILD, "child"),
@@ -44,7 +44,7 @@ USED: dict[Key, tuple[set[str], str]] = {
     ("", "pods"): ({"get", "list", "watch", "patch"},
                    "list: metrics and status; patch: pod-deletion-cost; get/watch: granted to the router"),
     ("autoscaling", "horizontalpodautoscalers"): ({"get", "list"}, "detect an HPA fighting the autoscaler"),
-    ("", "secrets"): ({"get", "create"}, "pd_secret.py: the PD key, created once, read back to check it"),
+    ("", "secrets"): ({"get", "create"}, "security/pd_secret.py: the PD key, created once, read back to check it"),
     ("", "events"): ({"create"}, "kopf posts core/v1 events"),
 }
 PEERING_VERBS = {"get", "list", "watch", "patch"}  # kopf's documented peering RBAC
@@ -87,11 +87,11 @@ def _resolve(node: ast.expr | None, module: Any) -> Any:
 
 
 def scanned_calls() -> set[tuple[Key, str]]:
-    """(resource, verb) for every `api.<method>(apiVersion, Kind, ...)` in operator/*.py whose
-    apiVersion and Kind are literals or module-level names."""
+    """(resource, verb) for every `api.<method>(apiVersion, Kind, ...)` in operator/ (sub-packages included)
+    whose apiVersion and Kind are literals or module-level names."""
     found: set[tuple[Key, str]] = set()
-    for info in pkgutil.iter_modules(operator_pkg.__path__):
-        module = importlib.import_module(f"tandem.operator.{info.name}")
+    for info in pkgutil.walk_packages(operator_pkg.__path__, "tandem.operator."):
+        module = importlib.import_module(info.name)
         tree = ast.parse(open(module.__file__, encoding="utf-8").read())  # type: ignore[arg-type]
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)

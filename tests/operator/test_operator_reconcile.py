@@ -12,9 +12,10 @@ import yaml
 from operator_support import KUBE_VERSIONS, by_kind, kube_validate, render
 
 from tandem import worker_contract as contract
-from tandem.operator import names, role_scaler
+from tandem.operator import names
 from tandem.operator.reconcile import desired_replicas, reconcile
-from tandem.operator.spec import SpecError, parse_service
+from tandem.operator.scaling import role_scaler
+from tandem.operator.spec.service_spec import SpecError, parse_service
 
 
 def container(child: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +132,7 @@ def test_network_policy_keeps_bootstrap_and_kv_internal(minimal_cr: dict[str, An
 
 
 def test_network_policy_opens_http_to_named_namespaces_only(minimal_cr: dict[str, Any]) -> None:
-    from tandem.operator.policy import OperatorPolicy
+    from tandem.operator.security.operator_policy import OperatorPolicy
 
     kids = by_kind(reconcile(minimal_cr, OperatorPolicy(http_from_namespaces=("tandem-system", "monitoring"))))
     http = kids[("NetworkPolicy", "llama3-8b-internal-kv")]["spec"]["ingress"][1]

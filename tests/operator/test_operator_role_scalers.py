@@ -10,10 +10,10 @@ import jsonschema
 import pytest
 from test_operator_sync import FakeApiServer, run_sync
 
-from tandem.operator import role_scaler
-from tandem.operator.crd import build_crds
 from tandem.operator.reconcile import desired_replicas
-from tandem.operator.spec import SpecError, parse_service
+from tandem.operator.scaling import role_scaler
+from tandem.operator.spec.crd import build_crds
+from tandem.operator.spec.service_spec import SpecError, parse_service
 
 SCALERS = "/apis/tandem.dev/v1alpha1/namespaces/serving/rolescalers/"
 

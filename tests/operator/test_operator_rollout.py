@@ -11,9 +11,9 @@ import pytest
 from test_operator_sync import FakeApiServer, run_sync
 
 from tandem.operator import names
-from tandem.operator.ratio import ratio_ok
-from tandem.operator.rollout import GenCounts, budget, step
-from tandem.operator.spec_parts import Rollout
+from tandem.operator.rollout.step import GenCounts, budget, step
+from tandem.operator.scaling.pd_ratio import ratio_ok
+from tandem.operator.spec.sections import Rollout
 
 
 def _drive(target: tuple[int, int], start: tuple[int, int], rule: Rollout, lo: float, hi: float,

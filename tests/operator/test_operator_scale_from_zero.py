@@ -8,12 +8,12 @@ from typing import Any
 
 from test_operator_sync import FakeApiServer, run_sync
 
-from tandem.operator.autoscaler import plan
-from tandem.operator.scaling import Observation, Policy, RolePolicy, decide, initial_state
-from tandem.operator.signals import RoleMetrics
-from tandem.operator.simulate import ClusterModel, simulate
-from tandem.operator.spec import parse_service
-from tandem.operator.spec_parts import StepRule
+from tandem.operator.scaling.autoscale_round import plan
+from tandem.operator.scaling.decision import Observation, Policy, RolePolicy, decide, initial_state
+from tandem.operator.scaling.signals import RoleMetrics
+from tandem.operator.scaling.simulate import ClusterModel, simulate
+from tandem.operator.spec.sections import StepRule
+from tandem.operator.spec.service_spec import parse_service
 
 POLICY = Policy(
     prefill=RolePolicy("queueDepth", 3.0, 0, 8),
@@ -81,10 +81,10 @@ def test_plan_reports_demand_as_activity(minimal_cr: dict[str, Any]) -> None:
 
 def test_scale_down_marks_the_least_loaded_pods_for_deletion(autoscaling_cr: dict[str, Any]) -> None:
     """Before a decode scale-down the operator sets pod-deletion-cost from each pod's load."""
-    from tandem.operator import deletion_cost
-    from tandem.operator.autoscaler import ServiceMemory
-    from tandem.operator.metrics_source import ScrapeReader
-    from tandem.operator.signals import PodMetrics
+    from tandem.operator.scaling import deletion_cost
+    from tandem.operator.scaling.autoscale_round import ServiceMemory
+    from tandem.operator.scaling.metrics_source import ScrapeReader
+    from tandem.operator.scaling.signals import PodMetrics
 
     server = FakeApiServer()
     run_sync(server, autoscaling_cr)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tandem.operator.scaling import (
+from tandem.operator.scaling.decision import (
     Observation,
     Policy,
     RolePolicy,
@@ -16,8 +16,8 @@ from tandem.operator.scaling import (
     initial_state,
     nearest_feasible,
 )
-from tandem.operator.simulate import ClusterModel, Tick, reversals, simulate
-from tandem.operator.spec_parts import StepRule
+from tandem.operator.scaling.simulate import ClusterModel, Tick, reversals, simulate
+from tandem.operator.spec.sections import StepRule
 
 POLICY = Policy(
     prefill=RolePolicy("queueDepth", 3.0, 1, 10),

@@ -18,11 +18,12 @@ from operator_support import KUBE_VERSIONS, kube_validate
 from test_operator_sync import FakeApiServer, run_sync
 
 from tandem import worker_contract as contract
-from tandem.operator import names, pd_secret
-from tandem.operator.crd import spec_schema
+from tandem.operator import names
 from tandem.operator.kubeapi import KubeApi
 from tandem.operator.reconcile import reconcile
-from tandem.operator.spec import SpecError, parse_service
+from tandem.operator.security import pd_secret
+from tandem.operator.spec.crd import spec_schema
+from tandem.operator.spec.service_spec import SpecError, parse_service
 from tandem.pd.secret import check_pd_secret, new_pd_secret
 
 KEY_REF = {"name": "llama-api", "key": "token"}

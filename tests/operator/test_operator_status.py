@@ -9,8 +9,8 @@ import jsonschema
 from tandem.operator import names
 from tandem.operator.conditions import condition_status
 from tandem.operator.reconcile import RoleReplicas
-from tandem.operator.schema_status import STATUS_SCHEMA
-from tandem.operator.spec import parse_service
+from tandem.operator.spec.service_spec import parse_service
+from tandem.operator.spec.status_schema import STATUS_SCHEMA
 from tandem.operator.status import (
     Measured,
     RoleObserved,

@@ -15,9 +15,9 @@ import kopf
 import pytest
 from operator_support import merge_patch
 
-from tandem.operator.autoscaler import ServiceMemory
 from tandem.operator.kubeapi import ApiError, KubeApi, resource_path
-from tandem.operator.policy import OperatorPolicy
+from tandem.operator.scaling.autoscale_round import ServiceMemory
+from tandem.operator.security.operator_policy import OperatorPolicy
 from tandem.operator.sync import sync
 
 LOG = logging.getLogger("test")

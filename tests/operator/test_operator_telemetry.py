@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.operator import handlers, runner, telemetry
 from tandem.operator.handlers import OperatorConfig
-from tandem.operator.policy import OperatorPolicy
+from tandem.operator.security.operator_policy import OperatorPolicy
 from tandem.operator.sync import SyncResult
 from tandem.operator.telemetry import Telemetry
 

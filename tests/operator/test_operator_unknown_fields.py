@@ -1,4 +1,4 @@
-"""operator/spec_unknown.py: undeclared spec fields are named (with a near match), free-form
+"""operator/spec/unknown_fields.py: undeclared spec fields are named (with a near match), free-form
 subtrees are not, no input shape raises, and `tandem operator render` warns about them."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from operator_support import EXAMPLES_DIR, REPO
 
-from tandem.operator import schema
 from tandem.operator.cli import render_command
-from tandem.operator.spec_unknown import unknown_fields
+from tandem.operator.spec import spec_schema
+from tandem.operator.spec.unknown_fields import unknown_fields
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def _names(node: Any) -> set[str]:
     return out
 
 
-KEYS = st.sampled_from(sorted(_names(schema.ROOT_SCHEMA) | {"x", "replica", "", "spec"}))
+KEYS = st.sampled_from(sorted(_names(spec_schema.ROOT_SCHEMA) | {"x", "replica", "", "spec"}))
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=5)
 JUNK = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(KEYS | st.integers(), inner, max_size=4), max_leaves=30)

@@ -47,8 +47,8 @@ def kube_validate(manifest: dict[str, Any], version: str) -> None:
 def render(cr: dict[str, Any]) -> list[dict[str, Any]]:
     """reconcile() under a policy that allows host access, so every example renders (the
     cpu-hostpath one mounts a hostPath); the policy itself is tested on its own."""
-    from tandem.operator.policy import OperatorPolicy
     from tandem.operator.reconcile import reconcile
+    from tandem.operator.security.operator_policy import OperatorPolicy
 
     return reconcile(cr, OperatorPolicy(allow_host_access=True))
 

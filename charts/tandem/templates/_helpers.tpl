@@ -85,7 +85,7 @@ and children are never watched.
   resources: ["pods"]
   verbs: ["get", "list", "watch", "patch"]
 # Secrets: the PD control key, one per InferenceService, created once and read back to check it
-# (operator/pd_secret.py); never listed, watched, patched or deleted (the garbage collector
+# (operator/security/pd_secret.py); never listed, watched, patched or deleted (the garbage collector
 # removes it with its InferenceService). The API key Secret is the pods' to read, not the operator's.
 - apiGroups: [""]
   resources: ["secrets"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem import metric_names as m
-from tandem.operator import promtext
-from tandem.operator.promtext import Buckets
+from tandem.operator.scaling import prometheus_text
+from tandem.operator.scaling.prometheus_text import Buckets
 
 
 @dataclass(frozen=True)
@@ -44,21 +44,21 @@ class RoleMetrics:
     pending: float = 0.0  # requests the routers hold for this role (no ready pod): scale from zero
 
 
-def _one(samples: list[promtext.Sample], name: str) -> float | None:
-    found = promtext.values(samples, name)
+def _one(samples: list[prometheus_text.Sample], name: str) -> float | None:
+    found = prometheus_text.values(samples, name)
     return sum(found) if found else None
 
 
 def pod_metrics(pod: str, text: str) -> PodMetrics:
-    samples = promtext.parse(text)
+    samples = prometheus_text.parse(text)
     return PodMetrics(
         pod=pod,
         queue=_one(samples, m.NUM_QUEUE_REQS),
         running=_one(samples, m.NUM_RUNNING_REQS),
         kv_usage=_one(samples, m.KV_CACHE_USAGE),
         handshake=_one(samples, m.KV_HANDSHAKE_OK),
-        ttft=promtext.buckets(samples, m.TIME_TO_FIRST_TOKEN_SECONDS),
-        itl=promtext.buckets(samples, m.INTER_TOKEN_LATENCY_SECONDS),
+        ttft=prometheus_text.buckets(samples, m.TIME_TO_FIRST_TOKEN_SECONDS),
+        itl=prometheus_text.buckets(samples, m.INTER_TOKEN_LATENCY_SECONDS),
     )
 
 
@@ -66,7 +66,7 @@ def router_pending(text: str) -> dict[str, float]:
     """Requests one router holds per worker role for want of a ready pod (scale from zero).
     A router that waits for "colocated" workers in a PD service waits for decode ones."""
     out = {role: 0.0 for role in (m.ROUTER_ROLES[0], m.ROUTER_ROLES[1])}
-    for sample in promtext.parse(text):
+    for sample in prometheus_text.parse(text):
         if sample.name == m.ROUTER_PENDING_REQUESTS:
             role = sample.label("role") or ""
             role = "decode" if role == "colocated" else role
@@ -89,15 +89,15 @@ def role_metrics(current: list[PodMetrics], previous: dict[str, PodMetrics]) -> 
     itl: Buckets = {}
     for pod in current:
         before = previous.get(pod.pod)
-        ttft = promtext.add(ttft, promtext.delta(pod.ttft, before.ttft if before else None))
-        itl = promtext.add(itl, promtext.delta(pod.itl, before.itl if before else None))
+        ttft = prometheus_text.add(ttft, prometheus_text.delta(pod.ttft, before.ttft if before else None))
+        itl = prometheus_text.add(itl, prometheus_text.delta(pod.itl, before.itl if before else None))
     handshakes = [p.handshake for p in current if p.handshake is not None]
     return RoleMetrics(
         pods=len(current),
         queue_per_replica=sum(queues) / len(current) if queues else None,
         kv_utilization=_mean([p.kv_usage for p in current if p.kv_usage is not None]),
-        ttft_p95_s=promtext.quantile(0.95, ttft),
-        itl_p95_s=promtext.quantile(0.95, itl),
+        ttft_p95_s=prometheus_text.quantile(0.95, ttft),
+        itl_p95_s=prometheus_text.quantile(0.95, itl),
         handshake_ok=any(h >= 1 for h in handshakes) if handshakes else None,
     )
 

@@ -15,11 +15,11 @@ import httpx
 
 from tandem.operator import names
 from tandem.operator.kubeapi import KubeApi
-from tandem.operator.metrics_source import PrometheusReader, ScrapeReader, ready_pods
 from tandem.operator.reconcile import desired_replicas
-from tandem.operator.scaling import Decision, Observation, Policy, ScalerState, decide, initial_state
-from tandem.operator.signals import RoleMetrics, signal_value
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.scaling.decision import Decision, Observation, Policy, ScalerState, decide, initial_state
+from tandem.operator.scaling.metrics_source import PrometheusReader, ScrapeReader, ready_pods
+from tandem.operator.scaling.signals import RoleMetrics, signal_value
+from tandem.operator.spec.service_spec import ServiceSpec
 from tandem.operator.status import Measured, ScalingReport
 
 

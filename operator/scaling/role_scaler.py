@@ -17,8 +17,8 @@ import copy
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.meta import child_meta
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.spec.service_spec import ServiceSpec
 
 KIND = "RoleScaler"
 PLURAL = "rolescalers"

@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.schema import ROOT_SCHEMA
+from tandem.operator.spec.spec_schema import ROOT_SCHEMA
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
@@ -73,6 +73,6 @@ def spec_schema() -> dict[str, Any]:
 
 def build_crds() -> list[dict[str, Any]]:
     """Every CRD the operator serves: InferenceService, and RoleScaler (a /scale per worker role)."""
-    from tandem.operator.role_scaler import build_crd as role_scaler_crd
+    from tandem.operator.scaling.role_scaler import build_crd as role_scaler_crd
 
     return [build_crd(), role_scaler_crd()]

@@ -3,7 +3,7 @@
 Two pods may exchange KV only if they run the same image, weights, served name, engine
 arguments (page size, dtype, ...), KV transfer settings and tensor parallel layout. Any
 change to those starts a new generation, which the operator rolls out as a pair of
-Deployments (rollout.py); changes that leave pods compatible (resources, node selectors,
+Deployments (step.py); changes that leave pods compatible (resources, node selectors,
 template overrides, extra args) roll within a generation's Deployment as usual.
 """
 
@@ -13,7 +13,7 @@ import hashlib
 import json
 
 from tandem.operator import names
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 def generation_of(svc: ServiceSpec) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.kubeapi import KubeApi
-from tandem.operator.meta import is_owned_by
-from tandem.operator.rollout import GenCounts, Step
+from tandem.operator.render.child_meta import is_owned_by
+from tandem.operator.rollout.step import GenCounts, Step
 from tandem.operator.status import RoleObserved, observe_deployment
 
 ROLE_INDEX = {names.PREFILL: 0, names.DECODE: 1}

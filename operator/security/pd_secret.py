@@ -1,6 +1,6 @@
 """The prefill<->decode control channel key: one Secret per InferenceService, made once.
 
-Prefill and decode pods read it as env TANDEM_PD_SECRET (secret_refs.py) and authenticate
+Prefill and decode pods read it as env TANDEM_PD_SECRET (secret_env.py) and authenticate
 their control channel with it. It is not one of reconcile()'s children: those are re-applied
 on every pass, and a key must not change under running pods (the pods of a rollout would hold
 two keys). So sync() calls `ensure` before applying: an existing Secret is kept as it is, a
@@ -20,8 +20,8 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.kubeapi import ApiError, KubeApi
-from tandem.operator.meta import child_meta
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.spec.service_spec import ServiceSpec
 from tandem.pd.secret import check_pd_secret, new_pd_secret
 
 KEY_LENGTH = 40  # Z85 of 32 bytes

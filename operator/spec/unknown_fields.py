@@ -2,7 +2,7 @@
 
 The API server prunes undeclared fields without a word (kubectl may warn, `tandem operator
 render` never sees an API server), so a typo such as `prefill.replica` silently becomes the
-default. `unknown_fields` walks a CR against `schema.ROOT_SCHEMA` the way pruning does and
+default. `unknown_fields` walks a CR against `spec_schema.ROOT_SCHEMA` the way pruning does and
 names what would be dropped, with a close declared name when there is one.
 
 Only `spec` is walked: metadata belongs to Kubernetes and status to the operator. Subtrees
@@ -24,7 +24,7 @@ PRESERVE = "x-kubernetes-preserve-unknown-fields"
 def unknown_fields(cr: Any) -> list[str]:
     """JSON paths of undeclared fields under `spec`, in document order, e.g.
     `spec.prefill.replica (did you mean replicas?)` or `spec.prefill.tolerations[0].efect (...)`."""
-    from tandem.operator.schema import ROOT_SCHEMA  # at call time: the schema is built at import
+    from tandem.operator.spec.spec_schema import ROOT_SCHEMA  # at call time: the schema is built at import
 
     if not isinstance(cr, dict):
         return []

@@ -15,8 +15,8 @@ import httpx
 
 from tandem import metric_names as m
 from tandem.operator import names
-from tandem.operator.bounded_fetch import FetchLimits, fetch_text
-from tandem.operator.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics, router_pending
+from tandem.operator.scaling.bounded_fetch import FetchLimits, fetch_text
+from tandem.operator.scaling.signals import PodMetrics, RoleMetrics, pod_metrics, role_metrics, router_pending
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.engine_config import config_key
-from tandem.operator.pods import (
+from tandem.operator.render.engine_configmap import config_key
+from tandem.operator.render.pod_common import (
     WORKER_REQUESTS,
     deployment,
     drain_command,
@@ -22,9 +22,9 @@ from tandem.operator.pods import (
     restricted_security_context,
     with_requests,
 )
-from tandem.operator.secret_refs import worker_secret_env
-from tandem.operator.spec import ServiceSpec
-from tandem.operator.spec_parts import GPU, RoleSpec
+from tandem.operator.security.secret_env import worker_secret_env
+from tandem.operator.spec.sections import GPU, RoleSpec
+from tandem.operator.spec.service_spec import ServiceSpec
 
 # Time for the pod to leave Service endpoints and the router's pod list after preStop finishes.
 GRACE_MARGIN_S = 30
@@ -56,7 +56,7 @@ def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
     # Python's own temp files all go under the /tmp emptyDir.
     writable = [{"name": "HOME", "value": "/tmp"}, {"name": "TANDEM_HOME", "value": "/tmp/tandem"},
                 {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}]
-    secrets = worker_secret_env(svc.name, svc.api_key)  # from Secrets, never on argv (secret_refs.py)
+    secrets = worker_secret_env(svc.name, svc.api_key)  # from Secrets, never on argv (security/secret_env.py)
     return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable + secrets
 
 
@@ -109,7 +109,7 @@ def worker_container(svc: ServiceSpec, spec: RoleSpec) -> dict[str, Any]:
 
 
 def worker_deployment(svc: ServiceSpec, role: str, replicas: int, generation: str) -> dict[str, Any]:
-    """One generation's Deployment of a worker role (rollout.py steps the generations)."""
+    """One generation's Deployment of a worker role (rollout/step.py steps the generations)."""
     spec = svc.role(role)
     pod = pod_spec(
         svc, spec, [worker_container(svc, spec)], worker_volumes(svc, role, generation),

@@ -2,7 +2,7 @@
 
 Each role gets its own key because tensor parallel size is per role; the worker
 Deployment mounts its role's key as /etc/tandem/engine.yaml. There is one ConfigMap per
-model generation (generation.py), so an old generation's pod that restarts mid-rollout
+model generation (rollout/generation_hash.py), so an old generation's pod that restarts mid-rollout
 still reads the config it is compatible with.
 """
 
@@ -12,8 +12,8 @@ import hashlib
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.meta import child_meta
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.spec.service_spec import ServiceSpec
 from tandem.worker_contract import DECODE, PREFILL, EngineYaml, KvTransfer
 
 CONFIG_HASH_ANNOTATION = "tandem.dev/engine-config-hash"

@@ -6,10 +6,10 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.meta import child_meta
-from tandem.operator.spec import ServiceSpec
-from tandem.operator.spec_parts import RoleSpec
-from tandem.operator.template import merge
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.render.template_merge import merge
+from tandem.operator.spec.sections import RoleSpec
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 def http_probe(path: str, period: int, timeout: int, failures: int) -> dict[str, Any]:

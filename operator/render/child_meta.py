@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.spec.service_spec import ServiceSpec
 
 # Used by `render` when the CR has not been stored yet and so has no uid.
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"

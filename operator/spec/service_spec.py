@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.defaults import default_spec
-from tandem.operator.secret_refs import SecretKeyRef, parse_secret_ref
-from tandem.operator.spec_parts import (
+from tandem.operator.spec.schema_defaults import default_spec
+from tandem.operator.spec.secret_ref import SecretKeyRef, parse_secret_ref
+from tandem.operator.spec.sections import (
     AutoscalingSpec,
     KvTransfer,
     ModelSource,

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.operator.scaling import Observation, Policy, ScalerState, decide, initial_state
+from tandem.operator.scaling.decision import Observation, Policy, ScalerState, decide, initial_state
 
 INF_LATENCY_S = 60.0
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.meta import child_meta
-from tandem.operator.policy import OperatorPolicy
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.security.operator_policy import OperatorPolicy
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 def headless_service(svc: ServiceSpec, role: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The openAPIV3Schema of the InferenceService spec.
 
 This is the single source of the spec's defaults: the API server applies them on
-admission, and `defaults.apply_defaults` applies the same ones to a CR that did not
+admission, and `schema_defaults.apply_defaults` applies the same ones to a CR that did not
 pass through an API server (`tandem operator render`, test emulators).
 Objects that carry nested defaults default to `{}` so that those nested defaults apply.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.operator.schema_status import STATUS_SCHEMA
+from tandem.operator.spec.status_schema import STATUS_SCHEMA
 
 Schema = dict[str, Any]
 

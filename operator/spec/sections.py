@@ -1,4 +1,5 @@
-"""The parts of a ServiceSpec and their parsers; each parser appends problems to `errors`.
+"""The sections of a ServiceSpec (model, roles, KV transfer, autoscaling, SLO, rollout) and their
+parsers; each parser appends problems to `errors`.
 
 Parsers take the already-defaulted spec sections, so every key with a schema default
 is present; type checks remain because a CR that skipped admission may hold anything.
@@ -10,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.ratio import ratio_feasible
-from tandem.operator.spec_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
+from tandem.operator.scaling.pd_ratio import ratio_feasible
+from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 
 GPU = "nvidia.com/gpu"
 DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}

@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.operator.ratio import Pair, nearest_feasible, ratio_ok
-from tandem.operator.spec_parts import Rollout
+from tandem.operator.scaling.pd_ratio import Pair, nearest_feasible, ratio_ok
+from tandem.operator.spec.sections import Rollout
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.operator import names
-from tandem.operator.secret_refs import referenced_secrets
-from tandem.operator.spec import ServiceSpec
-from tandem.operator.template_policy import template_problems
+from tandem.operator.security.secret_env import referenced_secrets
+from tandem.operator.security.template_allowlist import template_problems
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 @dataclass(frozen=True)
 class OperatorPolicy:
-    # hostPath model sources, and template overrides outside template_policy.py's allowlists
+    # hostPath model sources, and template overrides outside template_allowlist.py's allowlists
     # (host namespaces and ports, privileges, extra containers, foreign Secrets, command/args);
     # with it the merged pods also keep whatever security context the template gives them.
     allow_host_access: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tandem.operator.schema import SPEC_SCHEMA
+from tandem.operator.spec.spec_schema import SPEC_SCHEMA
 
 
 def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:

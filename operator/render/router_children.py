@@ -6,8 +6,8 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.meta import child_meta
-from tandem.operator.pods import (
+from tandem.operator.render.child_meta import child_meta
+from tandem.operator.render.pod_common import (
     ROUTER_REQUESTS,
     deployment,
     downward_env,
@@ -17,8 +17,8 @@ from tandem.operator.pods import (
     restricted_security_context,
     with_requests,
 )
-from tandem.operator.secret_refs import router_secret_env
-from tandem.operator.spec import ServiceSpec
+from tandem.operator.security.secret_env import router_secret_env
+from tandem.operator.spec.service_spec import ServiceSpec
 
 ROUTER_DRAIN_S = 30
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tandem.operator.ratio import nearest_feasible
-from tandem.operator.spec import ServiceSpec
-from tandem.operator.spec_parts import StepRule
+from tandem.operator.scaling.pd_ratio import nearest_feasible
+from tandem.operator.spec.sections import StepRule
+from tandem.operator.spec.service_spec import ServiceSpec
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The restricted security context, re-applied to a pod after the template override is merged in.
 
-The merge (template.py) replaces lists whole and maps key by key, so an override can undo what
+The merge (render/template_merge.py) replaces lists whole and maps key by key, so an override can undo what
 the generated containers carry: `capabilities.drop: [NET_RAW]` replaces `drop: [ALL]` and
-brings the runtime's default capabilities back. template_policy.py refuses what it can name;
+brings the runtime's default capabilities back. template_allowlist.py refuses what it can name;
 this pass makes the rendered pod restricted whatever the override was: every container, init
 and ephemeral ones included, gets the restricted context with only the allowlisted parts of
 its own (a non-root UID/GID, IPC_LOCK), and host namespaces and host ports are dropped.
-It runs only when the operator does not allow host access (policy.py).
+It runs only when the operator does not allow host access (operator_policy.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tandem.operator.pods import restricted_security_context
-from tandem.operator.template_policy import (
+from tandem.operator.render.pod_common import restricted_security_context
+from tandem.operator.security.template_allowlist import (
     ALLOWED_CAPABILITIES,
     HOST_FIELDS,
     IDS,

@@ -5,36 +5,16 @@
   TANDEM_WORKER_API_KEY  router               the same Secret: the key it sends to the workers
   TANDEM_PD_SECRET       prefill and decode   <name>-pd-secret, which the operator creates (pd_secret.py)
 
-These Secrets, and only these, may also be named by a pod template override (template_policy.py).
+These Secrets, and only these, may also be named by a pod template override (template_allowlist.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-
-_SECRET_NAME_MAX = 253
-
-
-@dataclass(frozen=True)
-class SecretKeyRef:
-    name: str
-    key: str
-
-
-def parse_secret_ref(raw: Any, where: str, errors: list[str]) -> SecretKeyRef | None:
-    """`{name, key}` or None when absent; a malformed one is a spec error."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or not all(isinstance(raw.get(k), str) and raw.get(k) for k in ("name", "key")):
-        errors.append(f"{where} needs a name and a key (strings), got {raw!r}")
-        return None
-    if len(raw["name"]) > _SECRET_NAME_MAX:
-        errors.append(f"{where}.name is longer than {_SECRET_NAME_MAX} characters")
-    return SecretKeyRef(name=raw["name"], key=raw["key"])
+from tandem.operator.spec.secret_ref import SecretKeyRef
 
 
 def secret_env(env_name: str, ref: SecretKeyRef) -> dict[str, Any]:
