@@ -24,10 +24,10 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 LAYERS, HEADS, KV_HEADS, DIM = 12, 16, 4, 64
 

@@ -31,13 +31,13 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.models.layers import RMSNorm
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.runner.sampler import SamplingBatch, sample
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 HEADS, KV_HEADS, DIM, HIDDEN, INTER = 16, 4, 64, 1024, 2816
 

@@ -26,9 +26,9 @@ from types import SimpleNamespace
 import torch
 
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 VARIANTS = ("amx", "fma", "sdpa")  # (use_extend_kernel, use_amx) below
 
@@ -70,8 +70,8 @@ def _attention_case(heads: int, kv_heads: int, prefix: int, extends: list[int]):
 
 
 def _forward_case(model: str):
+    from tandem.engine.model_config import RunnerConfig
     from tandem.engine.modelgen.resolve import resolve_model
-    from tandem.engine.runner.config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 

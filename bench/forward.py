@@ -35,7 +35,7 @@ def _median_ms(fn, repeat: int) -> float:
 def _ours(path: str, dtype: str, batch: int, ctx: int, fused: bool = True):
     """The case's timed step on our runner: prefill of batch x ctx (batch 8), else one decode step.
     fused=False switches the fused CPU layer ops (norm, SiLU*mul, RoPE) off: the torch chain."""
-    from tandem.engine.runner.config import RunnerConfig
+    from tandem.engine.model_config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 

@@ -19,7 +19,7 @@ import torch
 
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.runner.sampler import SamplingBatch, sample
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 def _ms(fn, n: int = 5) -> float:

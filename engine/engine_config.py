@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.runner.config import RunnerConfig
+from tandem.engine.model_config import RunnerConfig
 from tandem.worker_contract import EngineYaml
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")

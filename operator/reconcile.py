@@ -23,10 +23,10 @@ from tandem.operator.render.router_children import router_deployment, router_rba
 from tandem.operator.render.worker_deployment import worker_deployment
 from tandem.operator.rollout.generation_hash import generation_of
 from tandem.operator.scaling.decision import clamp
-from tandem.operator.scaling.pd_ratio import Pair, nearest_feasible
 from tandem.operator.scaling.role_scaler import role_scaler
 from tandem.operator.security.harden import harden_deployment
 from tandem.operator.security.operator_policy import OperatorPolicy, policy_problems
+from tandem.operator.spec.pd_ratio import Pair, nearest_feasible
 from tandem.operator.spec.service_spec import ServiceSpec, SpecError, parse_service
 
 # Children are applied in this order: config and identities before the pods that use them.

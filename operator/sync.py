@@ -24,10 +24,10 @@ import httpx
 import kopf
 
 from tandem.operator import names
+from tandem.operator.child_meta import is_owned_by
 from tandem.operator.conditions import Condition, merge_conditions
 from tandem.operator.kubeapi import ApiError, KubeApi
 from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
-from tandem.operator.render.child_meta import is_owned_by
 from tandem.operator.rollout import generation_deployments as gens
 from tandem.operator.rollout.generation_hash import generation_of
 from tandem.operator.rollout.step import GenCounts, Step, step

@@ -1,4 +1,5 @@
-"""Shared fixtures: built-in test models, runners, and the pool integrity check."""
+"""Shared fixtures: built-in and real test models, kernel levels and CPU plans. The engine fixture
+that checks its pools after each test is in tests/engine/conftest.py."""
 
 from __future__ import annotations
 

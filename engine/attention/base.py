@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class AttentionBackend(ABC):

@@ -28,7 +28,7 @@ import itertools
 import torch
 
 from tandem.engine.attention.base import AttentionBackend
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 
 _WORKSPACE_BYTES = 256 << 20
 

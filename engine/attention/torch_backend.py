@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kernels import cpu_kernels
-from tandem.engine.runner.forward_batch import ForwardBatch
 
 
 @dataclass

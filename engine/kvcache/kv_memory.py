@@ -17,7 +17,7 @@ import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
-from tandem.engine.runner.config import ModelConfig, RunnerConfig
+from tandem.engine.model_config import ModelConfig, RunnerConfig
 
 # Upper bound for an automatically sized CPU pool; explicit max_total_tokens overrides it.
 CPU_AUTO_MAX_TOKENS = 1 << 19

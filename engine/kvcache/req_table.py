@@ -2,7 +2,7 @@
 
 A request owns one row of `req_to_token`; entry `[row, pos]` is the KV slot holding
 the key/value of the request's token at position `pos`. One owner allocates and frees
-rows: the cache manager (kvcache/cache_manager.py). The prefix caches read and write
+rows: the cache manager (scheduler/cache_manager.py). The prefix caches read and write
 a row's entries, never its ownership.
 """
 

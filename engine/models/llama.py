@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.layers import (
     GatedMLP,
     PackedLinear,
@@ -34,8 +36,6 @@ from tandem.engine.models.layers import (
     bucketed,
     row_bucket,
 )
-from tandem.engine.runner.config import ModelConfig
-from tandem.engine.runner.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.runner.config import ModelConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

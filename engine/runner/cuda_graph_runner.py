@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.runner.graph_inputs import DecodeGraphInputs
 
 

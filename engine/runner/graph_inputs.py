@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 class DecodeGraphInputs:

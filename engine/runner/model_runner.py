@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from tandem.engine.attention import create_backend
+from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kernels import cpu_plan
 from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
+from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
-from tandem.engine.runner.config import ModelConfig, RunnerConfig
-from tandem.engine.runner.forward_batch import ForwardBatch
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)

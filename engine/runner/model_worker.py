@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.runner.forward_batch import ForwardBatch
+from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch
-from tandem.engine.scheduler.schedule_batch import ModelWorkerBatch
+from tandem.engine.worker_batch import ModelWorkerBatch
 
 
 @dataclass

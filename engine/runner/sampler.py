@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.kernels import cpu_kernels
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 

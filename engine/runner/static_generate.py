@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.sampler import SamplingBatch
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from tandem.engine.kvcache.cache_manager import OutOfKV
+from tandem.engine.scheduler.cache_manager import OutOfKV
 from tandem.engine.scheduler.req import Req, finish_abort
 
 if TYPE_CHECKING:

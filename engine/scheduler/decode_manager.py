@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kvcache.cache_manager import CacheManager
 from tandem.engine.scheduler.batch_faults import BatchFailed
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 

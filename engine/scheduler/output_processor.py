@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
-from tandem.engine.kvcache.cache_manager import CacheManager
 from tandem.engine.runner.model_worker import GenerationBatchResult
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_length
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.protocol.messages import ReqOutput

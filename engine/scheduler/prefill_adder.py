@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import Req
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch

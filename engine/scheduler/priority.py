@@ -6,7 +6,7 @@ their KV goes to the prefix cache, so their re-admission usually hits it."""
 from __future__ import annotations
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.prefill_manager import PrefillManager
 

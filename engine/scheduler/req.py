@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 class ReqStatus(Enum):

@@ -12,8 +12,8 @@ import operator
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.runner.model_runner import ModelRunner
+from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler.req import Req
-from tandem.engine.scheduler.sampling_params import SamplingParams
 from tandem.protocol import limits as L
 from tandem.protocol.messages import GenerateReq, ReqOutput
 

@@ -1,4 +1,4 @@
-"""ScheduleBatch (scheduler side) and ModelWorkerBatch (what the worker needs).
+"""ScheduleBatch: the scheduler's batch, and how it flattens into a ModelWorkerBatch (worker_batch.py).
 
     ScheduleBatch  --get_model_worker_batch()-->  ModelWorkerBatch  --worker-->  ForwardBatch
 
@@ -16,25 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.kvcache.cache_manager import CacheManager
-from tandem.engine.runner.forward_batch import ForwardMode
+from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.scheduler.batch_faults import traced
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import Req, ReqStatus
-from tandem.engine.scheduler.sampling_params import SamplingParams
-
-
-@dataclass
-class ModelWorkerBatch:
-    mode: ForwardMode
-    input_ids: torch.Tensor  # (tokens,) int64; negative entries are future references
-    req_pool_indices: list[int]
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    out_cache_loc: torch.Tensor
-    num_extend_reqs: int
-    sampling_params: list[SamplingParams]
-    sample_positions: list[int]  # output index of the token each request samples
-    return_logprob: bool
+from tandem.engine.worker_batch import ModelWorkerBatch
 
 
 @dataclass(eq=False)

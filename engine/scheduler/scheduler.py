@@ -22,15 +22,15 @@ from typing import Any
 import torch
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kvcache.cache_manager import CacheManager
+from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
-from tandem.engine.runner.forward_batch import ForwardMode
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
 from tandem.engine.scheduler import admin
 from tandem.engine.scheduler.batch_faults import BatchFaults
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor

@@ -12,7 +12,7 @@ import hashlib
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.render.child_meta import child_meta
+from tandem.operator.child_meta import child_meta
 from tandem.operator.spec.service_spec import ServiceSpec
 from tandem.worker_contract import DECODE, PREFILL, EngineYaml, KvTransfer
 

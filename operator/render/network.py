@@ -7,7 +7,7 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.render.child_meta import child_meta
+from tandem.operator.child_meta import child_meta
 from tandem.operator.security.operator_policy import OperatorPolicy
 from tandem.operator.spec.service_spec import ServiceSpec
 

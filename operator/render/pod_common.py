@@ -6,7 +6,7 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.render.child_meta import child_meta
+from tandem.operator.child_meta import child_meta
 from tandem.operator.render.template_merge import merge
 from tandem.operator.spec.sections import RoleSpec
 from tandem.operator.spec.service_spec import ServiceSpec
@@ -50,23 +50,6 @@ def with_requests(resources: dict[str, Any], defaults: dict[str, str]) -> dict[s
     if missing:
         out["requests"] = {**requests, **missing}
     return out
-
-
-# A non-root UID the runtime image owns nothing as; the restricted Pod Security profile needs
-# runAsNonRoot, and a kubelet can only verify it with a numeric user.
-RUN_AS_USER = 1000
-
-
-def restricted_security_context() -> dict[str, Any]:
-    """Pod Security "restricted" for a container: nothing writable but its mounts."""
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
 
 
 def pod_spec(svc: ServiceSpec, spec: RoleSpec, containers: list[dict[str, Any]],

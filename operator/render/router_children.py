@@ -6,7 +6,7 @@ from typing import Any
 
 from tandem import worker_contract as contract
 from tandem.operator import names
-from tandem.operator.render.child_meta import child_meta
+from tandem.operator.child_meta import child_meta
 from tandem.operator.render.pod_common import (
     ROUTER_REQUESTS,
     deployment,
@@ -14,9 +14,9 @@ from tandem.operator.render.pod_common import (
     drain_command,
     http_probe,
     pod_spec,
-    restricted_security_context,
     with_requests,
 )
+from tandem.operator.security.harden import restricted_security_context
 from tandem.operator.security.secret_env import router_secret_env
 from tandem.operator.spec.service_spec import ServiceSpec
 

@@ -19,9 +19,9 @@ from tandem.operator.render.pod_common import (
     drain_command,
     http_probe,
     pod_spec,
-    restricted_security_context,
     with_requests,
 )
+from tandem.operator.security.harden import restricted_security_context
 from tandem.operator.security.secret_env import worker_secret_env
 from tandem.operator.spec.sections import GPU, RoleSpec
 from tandem.operator.spec.service_spec import ServiceSpec

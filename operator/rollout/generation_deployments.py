@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.child_meta import is_owned_by
 from tandem.operator.kubeapi import KubeApi
-from tandem.operator.render.child_meta import is_owned_by
 from tandem.operator.rollout.step import GenCounts, Step
 from tandem.operator.status import RoleObserved, observe_deployment
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.operator.scaling.pd_ratio import Pair, nearest_feasible, ratio_ok
+from tandem.operator.spec.pd_ratio import Pair, nearest_feasible, ratio_ok
 from tandem.operator.spec.sections import Rollout
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tandem.operator.scaling.pd_ratio import nearest_feasible
+from tandem.operator.spec.pd_ratio import nearest_feasible
 from tandem.operator.spec.sections import StepRule
 from tandem.operator.spec.service_spec import ServiceSpec
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from tandem.operator.render.pod_common import restricted_security_context
 from tandem.operator.security.template_allowlist import (
     ALLOWED_CAPABILITIES,
     HOST_FIELDS,
@@ -23,6 +22,23 @@ from tandem.operator.security.template_allowlist import (
     PROFILE_TYPES,
     PROFILES,
 )
+
+# A non-root UID the runtime image owns nothing as; the restricted Pod Security profile needs
+# runAsNonRoot, and a kubelet can only verify it with a numeric user.
+RUN_AS_USER = 1000
+
+
+def restricted_security_context() -> dict[str, Any]:
+    """Pod Security "restricted" for a container: nothing writable but its mounts."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
 
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 

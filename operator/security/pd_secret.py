@@ -19,8 +19,8 @@ import binascii
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.child_meta import child_meta
 from tandem.operator.kubeapi import ApiError, KubeApi
-from tandem.operator.render.child_meta import child_meta
 from tandem.operator.spec.service_spec import ServiceSpec
 from tandem.pd.secret import check_pd_secret, new_pd_secret
 

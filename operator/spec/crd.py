@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.spec import role_scaler_crd
 from tandem.operator.spec.spec_schema import ROOT_SCHEMA
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
@@ -73,6 +74,4 @@ def spec_schema() -> dict[str, Any]:
 
 def build_crds() -> list[dict[str, Any]]:
     """Every CRD the operator serves: InferenceService, and RoleScaler (a /scale per worker role)."""
-    from tandem.operator.scaling.role_scaler import build_crd as role_scaler_crd
-
-    return [build_crd(), role_scaler_crd()]
+    return [build_crd(), role_scaler_crd.build_crd()]

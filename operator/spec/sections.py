@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.scaling.pd_ratio import ratio_feasible
 from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
+from tandem.operator.spec.pd_ratio import ratio_feasible
 
 GPU = "nvidia.com/gpu"
 DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}

@@ -28,3 +28,7 @@ MAX_PROMPTS = 4096  # prompts in one batched request
 # half the default --max-request-bytes, so it binds only when that limit is raised.
 MAX_PROMPT_CHARS = 4 * 2**20
 MAX_ID_CHARS = 256  # request ids (`rid`), user names
+# A constraint (json_schema, regex, ebnf, structural_tag) is compiled on a worker thread: its
+# text and its compile time are bounded, so one hostile schema costs one request, not the worker.
+MAX_CONSTRAINT_CHARS = 256 * 1024
+MAX_TOOLS = 128  # tool definitions per request

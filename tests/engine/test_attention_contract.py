@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tandem.engine.attention import create_backend
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
-from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, DIM = 8, 2, 64  # a head_dim every backend runs (FlashInfer has no 32)
 

@@ -162,9 +162,9 @@ def test_backend_kernel_matches_gather_path(page_size):
     from types import SimpleNamespace
 
     from tandem.engine.attention.torch_backend import TorchAttentionBackend
+    from tandem.engine.forward_batch import ForwardBatch, ForwardMode
     from tandem.engine.kvcache.memory_pool import TokenToKVPool
     from tandem.engine.kvcache.req_table import ReqToTokenPool
-    from tandem.engine.runner.forward_batch import ForwardBatch, ForwardMode
 
     torch.manual_seed(page_size)
     heads, kv_heads, dim, dtype = 16, 4, 64, torch.bfloat16

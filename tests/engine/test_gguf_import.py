@@ -122,7 +122,7 @@ def _config_fields(model_dir: Path) -> dict[str, Any]:
     keys = ("architectures", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
             "intermediate_size", "vocab_size", "max_position_embeddings", "rope_theta", "tie_word_embeddings",
             "bos_token_id", "eos_token_id")
-    # head_dim as the engine reads it (runner/config.py): absent means hidden / heads.
+    # head_dim as the engine reads it (model_config.py): absent means hidden / heads.
     return {k: c.get(k) for k in keys} | {"head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]}
 
 

@@ -14,7 +14,7 @@ from engine_checks import assert_whole
 
 from tandem.engine.engine_config import EngineConfig, default_chunked_prefill_size
 from tandem.engine.kvcache.kv_memory import kv_budget_bytes, reserve_bytes
-from tandem.engine.runner.config import ModelConfig, RunnerConfig
+from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.runner.model_worker import OverlapWorker
 
 BF16 = torch.bfloat16

@@ -17,12 +17,12 @@ from tandem.engine.attention import choose_backend, create_backend
 from tandem.engine.attention.flashinfer_backend import host_page_counts, page_indices
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.runner.config import RunnerConfig
+from tandem.engine.model_config import RunnerConfig
 from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner, graph_buckets
 from tandem.engine.runner.graph_inputs import DecodeGraphInputs
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.static_generate import StaticBatch
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

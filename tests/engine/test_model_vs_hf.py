@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tandem.engine.kernels import cpu_plan
+from tandem.engine.model_config import RunnerConfig
 from tandem.engine.models.layers import can_pack_linears
-from tandem.engine.runner.config import RunnerConfig
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.static_generate import StaticBatch
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 ARCHS = ["tiny", "tiny-llama", "tiny-qwen2"]
 PAGE = 16

@@ -76,7 +76,7 @@ def test_front_and_router_render_chats_as_hf(smollm2: Path, smollm2_reference: l
 
 def test_every_eos_id_is_known(smollm2: Path, tmp_path: Path) -> None:
     """EOS ids come from config.json and generation_config.json, as HF `generate` reads them."""
-    from tandem.engine.runner.config import ModelConfig
+    from tandem.engine.model_config import ModelConfig
 
     assert ModelConfig.from_pretrained(str(smollm2)).eos_token_ids == (2,)
     more = _with_eos(smollm2, tmp_path / "more", [2, 0, 1234])

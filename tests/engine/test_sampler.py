@@ -7,7 +7,7 @@ import torch
 
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.runner.sampler import SamplingBatch, _filtered_logprobs, _gumbel, _uniform, sample
-from tandem.engine.scheduler.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 V = 50
 

@@ -8,14 +8,14 @@ import torch
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.kvcache.cache_manager import CacheManager
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
 from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
 from tandem.engine.scheduler.req import Req
-from tandem.engine.scheduler.sampling_params import SamplingParams
 from tandem.engine.scheduler.schedule_policy import LPM_FALLBACK_QUEUE_LEN, SchedulePolicy
 
 

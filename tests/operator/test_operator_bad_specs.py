@@ -11,7 +11,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_operator_sync import FakeApiServer, run_sync  # noqa: E402
+from operator_fake_api import FakeApiServer, run_sync  # noqa: E402
 
 from tandem.operator.spec.service_spec import SpecError, parse_service  # noqa: E402
 

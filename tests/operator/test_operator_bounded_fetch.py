@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_operator_sync import LOG, FakeApiServer
+from operator_fake_api import LOG, FakeApiServer
 
 from tandem.operator import sync as sync_module
 from tandem.operator.kubeapi import KubeApi

@@ -8,8 +8,8 @@ from typing import Any
 
 import kopf
 import pytest
+from operator_fake_api import FakeApiServer, run_sync
 from operator_support import EXAMPLES_DIR, load_example
-from test_operator_sync import FakeApiServer, run_sync
 
 from tandem.operator.reconcile import reconcile
 from tandem.operator.security.operator_policy import OperatorPolicy

@@ -6,9 +6,9 @@ import random
 
 from operator_support import EXAMPLES_DIR, load_example
 
-from tandem.operator.scaling import pd_ratio
 from tandem.operator.scaling.autoscale_round import plan
-from tandem.operator.scaling.pd_ratio import nearest_feasible, ratio_feasible, ratio_ok
+from tandem.operator.spec import pd_ratio
+from tandem.operator.spec.pd_ratio import nearest_feasible, ratio_feasible, ratio_ok
 from tandem.operator.spec.service_spec import parse_service
 
 

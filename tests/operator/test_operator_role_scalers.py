@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-from test_operator_sync import FakeApiServer, run_sync
+from operator_fake_api import FakeApiServer, run_sync
 
 from tandem.operator.reconcile import desired_replicas
 from tandem.operator.scaling import role_scaler

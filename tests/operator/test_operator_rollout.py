@@ -8,11 +8,11 @@ import itertools
 from typing import Any
 
 import pytest
-from test_operator_sync import FakeApiServer, run_sync
+from operator_fake_api import FakeApiServer, run_sync
 
 from tandem.operator import names
 from tandem.operator.rollout.step import GenCounts, budget, step
-from tandem.operator.scaling.pd_ratio import ratio_ok
+from tandem.operator.spec.pd_ratio import ratio_ok
 from tandem.operator.spec.sections import Rollout
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from test_operator_sync import FakeApiServer, run_sync
+from operator_fake_api import FakeApiServer, run_sync
 
 from tandem.operator.scaling.autoscale_round import plan
 from tandem.operator.scaling.decision import Observation, Policy, RolePolicy, decide, initial_state

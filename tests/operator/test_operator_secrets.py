@@ -14,8 +14,8 @@ import httpx
 import jsonschema
 import kopf
 import pytest
+from operator_fake_api import FakeApiServer, run_sync
 from operator_support import KUBE_VERSIONS, kube_validate
-from test_operator_sync import FakeApiServer, run_sync
 
 from tandem import worker_contract as contract
 from tandem.operator import names

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_up import Stack
+from up_stack import Stack
 
 TOOLS = ("guidellm==0.8.1", "aiperf==0.13.0")
 REQUESTS = 8

@@ -17,6 +17,7 @@ from tandem.protocol import limits as L
 
 # Below this a temperature is greedy: 1 / temperature would overflow float32 to inf.
 GREEDY_TEMPERATURE = 1e-6
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Structured output (SGLang's names): at most one; the grammar backend compiles it
+    # (engine/grammar/) and the sampler only draws tokens it allows.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         _int("max_new_tokens", self.max_new_tokens, 0, L.MAX_NEW_TOKENS)
@@ -58,6 +65,13 @@ class SamplingParams:
             raise ValueError(f"at most {L.MAX_STOP_TOKEN_IDS} stop_token_ids")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, L.MAX_TOKEN_ID)
+        given = [n for n in CONSTRAINTS if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(CONSTRAINTS)} may be set, got {', '.join(given)}")
+        for name in given:
+            text = getattr(self, name)
+            if not isinstance(text, str) or not 0 < len(text) <= L.MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"{name} must be a non-empty string of at most {L.MAX_CONSTRAINT_CHARS} characters")
         for name in ("ignore_eos", "return_logprob"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
@@ -69,6 +83,11 @@ class SamplingParams:
         kw["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)  # type: ignore[arg-type]
         kw["stop_token_ids"] = frozenset(kw.pop("stop_token_ids", None) or ())  # type: ignore[arg-type]
         return cls(**kw)  # type: ignore[arg-type]
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None."""
+        return next(((n, getattr(self, n)) for n in CONSTRAINTS if getattr(self, n) is not None), None)
 
     @property
     def is_greedy(self) -> bool:

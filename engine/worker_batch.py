@@ -1,0 +1,30 @@
+"""ModelWorkerBatch: what the forward thread needs of a scheduled batch, and nothing else.
+
+    ScheduleBatch (scheduler/)  --get_model_worker_batch()-->  ModelWorkerBatch  --runner/-->  ForwardBatch
+
+It sits below both the scheduler and the runner, so neither package imports the other's
+types to hand a batch over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ModelWorkerBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (tokens,) int64; negative entries are future references
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    out_cache_loc: torch.Tensor
+    num_extend_reqs: int
+    sampling_params: list[SamplingParams]
+    sample_positions: list[int]  # output index of the token each request samples
+    return_logprob: bool
