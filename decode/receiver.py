@@ -31,6 +31,7 @@ from tandem.decode.allowlist import Allowlist, Verdict
 from tandem.decode.arrival import Arrival
 from tandem.decode.incoming import Incoming, Stage
 from tandem.decode.peers import PrefillPeers
+from tandem.engine.scheduler.output_processor import accept_grammar_token
 from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
@@ -208,7 +209,9 @@ class DecodeReceiver:
             req.logprobs.append(logprob if logprob is not None else float("nan"))
             req.top_logprobs.append(top[: req.sampling_params.top_logprobs_num])
         self.stats["transferred"] += 1
-        reason = req.to_finish or self.sched.output.check_finished(req, token)
+        # Prefill sampled the first token under the same grammar; decode's matcher, built
+        # from the same constraint, catches up on it here and continues from it.
+        reason = req.to_finish or accept_grammar_token(req, token) or self.sched.output.check_finished(req, token)
         if reason is not None:
             self.sched.output.finish(req, reason)
             self.sched.reqs.pop(req.rid, None)

@@ -66,6 +66,11 @@ class EngineConfig:
     pd_transfer_timeout: float = 60.0  # decode: from pages sent to the last KV chunk landing
     pd_local_prefill_threshold: int = 32  # decode prefills itself at most this many uncached tokens
     disable_pd_decode_prefix_reuse: bool = False
+    # Structured output (engine/grammar/): the library that compiles constraints, how long a
+    # request may wait for its grammar, and how many compiled grammars are kept.
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout: float = 60.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -76,6 +81,12 @@ class EngineConfig:
             raise ValueError("dp_size must be >= 1")
         if self.schedule_conservativeness <= 0:
             raise ValueError("schedule_conservativeness must be > 0")
+        from tandem.engine.grammar.registry import BACKENDS  # torch-free at import: a dict of factories
+
+        if self.grammar_backend not in BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {sorted(BACKENDS)}")
+        if not self.grammar_compile_timeout > 0 or self.grammar_cache_size < 1:
+            raise ValueError("grammar_compile_timeout must be > 0 and grammar_cache_size >= 1")
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
 

@@ -46,11 +46,15 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
     from tandem.engine.scheduler.scheduler import Scheduler
 
     tokenizer: list[Any] = []
+    lock = threading.Lock()
 
-    def get_tokenizer() -> Any:  # only stop strings need it: loaded on first use
-        if not tokenizer:
-            tokenizer.append(AutoTokenizer.from_pretrained(model_path))
-        return tokenizer[0]
+    def get_tokenizer() -> Any:
+        """Loaded on first use (only stop strings and grammars need it), by the scheduler
+        thread or the grammar compile thread, whichever asks first."""
+        with lock:
+            if not tokenizer:
+                tokenizer.append(AutoTokenizer.from_pretrained(model_path))
+            return tokenizer[0]
 
     runner = ModelRunner(model_path, config.runner_config())
     memory = runner.size_kv_memory()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.grammar.batch_mask import BatchMask
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -28,3 +29,6 @@ class ModelWorkerBatch:
     sampling_params: list[SamplingParams]
     sample_positions: list[int]  # output index of the token each request samples
     return_logprob: bool
+    # The rows' vocabulary mask when any request is constrained (filled by the scheduler,
+    # applied by the forward thread before sampling: engine/grammar/batch_mask.py).
+    grammar: BatchMask | None = None

@@ -69,6 +69,8 @@ class ModelWorker:
             mwb.out_cache_loc, dev, num_extend_reqs=mwb.num_extend_reqs,
         )
         logits = self.runner.forward(fb)
+        if mwb.grammar is not None:
+            mwb.grammar.apply(logits)  # under overlap: waits until batch N-1 is processed
         sb = SamplingBatch.from_params(mwb.sampling_params, self.runner.vocab_size, dev)
         positions = torch.tensor(mwb.sample_positions, dtype=torch.int64).to(dev, non_blocking=True)
         out = self.runner.sample(logits, sb, positions)

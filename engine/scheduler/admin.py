@@ -41,4 +41,5 @@ def pool_state(sched: Scheduler) -> dict[str, Any]:
         "num_running": sum(not r.finished() for r in sched.decode.reqs), "kv_usage": sched.cache.usage(),
         "metrics": sched.metrics.snapshot(),
         "pd": sched.part.status() if sched.part is not None else None,
+        "grammar": sched.grammar.status(),
     }

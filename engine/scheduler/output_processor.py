@@ -15,7 +15,7 @@ from typing import Any
 from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tandem.engine.runner.model_worker import GenerationBatchResult
 from tandem.engine.scheduler.cache_manager import CacheManager
-from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_length
+from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_abort, finish_length
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.protocol.messages import ReqOutput
 
@@ -80,6 +80,10 @@ class OutputProcessor:
             req.first_token_time = now
         req.last_token_time = now
         req.output_ids.append(token)
+        grammar_end = accept_grammar_token(req, token)
+        if grammar_end is not None:
+            self.finish(req, grammar_end)
+            return
         if result.logprobs is not None:
             req.logprobs.append(result.logprobs[i])
             if result.top_logprobs is not None:
@@ -136,3 +140,16 @@ class OutputProcessor:
             out.logprobs = req.logprobs[start:]
             out.top_logprobs = [[[t, lp] for t, lp in row] for row in req.top_logprobs[start:]]
         return out
+
+
+def accept_grammar_token(req: Req, token: int) -> FinishReason | None:
+    """Advance a constrained request's matcher by the token just appended. The mask allowed
+    only tokens the grammar accepts, so a refusal means the mask and the matcher disagree:
+    that request fails alone. A grammar that has accepted its stop token ends the request."""
+    if req.grammar is None:
+        return None
+    if not req.grammar.accept(token):
+        return finish_abort(f"token {token} does not match the request's grammar", status=500)
+    if req.grammar.is_terminated():
+        return FinishReason("stop", matched=token)
+    return None

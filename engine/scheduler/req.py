@@ -87,6 +87,8 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     detok: Any = None  # incremental detokenizer state (engine/detokenizer.py)
+    # The structured-output matcher (engine/grammar/): it has accepted exactly output_ids.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.origin_input_ids:

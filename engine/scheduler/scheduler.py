@@ -32,6 +32,7 @@ from tandem.engine.scheduler import admin
 from tandem.engine.scheduler.batch_faults import BatchFaults
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
+from tandem.engine.scheduler.grammar_manager import GrammarManager, fill_or_fail
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
 from tandem.engine.scheduler.prefill_manager import PrefillManager
@@ -85,6 +86,8 @@ class Scheduler:
         self.overlap: OverlapWorker | None = None
         if config.enable_overlap:
             self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests, runner.device))
+        self.grammar = GrammarManager(config, tokenizer, runner.vocab_size, runner.model_config.eos_token_ids,
+                                      admit=self.admit, fail=self.drop_unstarted)
         self.faults = BatchFaults(self)
         self.last_batch: ScheduleBatch | None = None
         self.running = True
@@ -112,8 +115,8 @@ class Scheduler:
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
         msgs = []
-        # Waiting only on a KV transfer: wake often to poll it, without spinning a core.
-        timeout = 0.05 if block else 0.002 if self.part is not None and self.only_transfers() else 0
+        # Waiting only on a KV transfer or a compile: wake often to poll, without spinning a core.
+        timeout = 0.05 if block else 0.002 if self.only_waiting() else 0
         try:
             msgs.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
             while True:
@@ -130,6 +133,8 @@ class Scheduler:
                     self.output.emit([result])
             else:
                 dispatch(msg, self.request_handlers)
+        if self.grammar.waiting:
+            self.grammar.poll()
         if self.part is not None:
             self.part.poll()
 
@@ -139,8 +144,16 @@ class Scheduler:
             self.output.emit([error])
             return
         self.reqs[req.rid] = req
+        self.grammar.add(req, msg)  # admits it now, or once its grammar is compiled
+
+    def admit(self, req: Req, msg: GenerateReq) -> None:
         if self.part is None or not self.part.admit(req, msg):
             self.prefill.add(req)
+
+    def drop_unstarted(self, req: Req) -> None:
+        """A request finished before it was queued (it holds no KV): its last output goes out."""
+        self.output.stream([req])
+        self.reqs.pop(req.rid, None)
 
     def shutdown(self, msg: ShutdownReq) -> None:
         self.running = False
@@ -148,10 +161,9 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         if self.part is not None and self.part.abort(rid):
             return
-        req = self.prefill.abort_waiting(rid)
+        req = self.grammar.abort(rid) or self.prefill.abort_waiting(rid)
         if req is not None:
-            self.output.stream([req])
-            self.reqs.pop(rid, None)
+            self.drop_unstarted(req)
             return
         req = self.reqs.get(rid)
         if req is not None and not req.finished():
@@ -195,7 +207,11 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         self.record_step(batch)
-        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+        mwb = batch.get_model_worker_batch()
+        mask = self.grammar.attach_mask(batch.reqs, mwb)
+        if mask is not None:
+            mask.fill()  # every earlier batch is processed: the matchers are current
+        return self.worker.forward_batch_generation(mwb)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         result.materialize()
@@ -232,9 +248,11 @@ class Scheduler:
         there once found their prefix locks and died)."""
         return all(r.finished() for r in self.reqs.values()) and (self.part is None or not self.part.busy())
 
-    def only_transfers(self) -> bool:
-        """Nothing to compute now, but the role part holds requests (KV in flight)."""
-        return not (self.prefill.runnable() or self.decode.runnable()) and self.part.busy()
+    def only_waiting(self) -> bool:
+        """Nothing to compute now, but requests wait on something else: their grammar's
+        compile, or (in a role part) their KV in flight."""
+        return not (self.prefill.runnable() or self.decode.runnable()) and (
+            bool(self.grammar.waiting) or (self.part is not None and self.part.busy()))
 
     def event_loop_normal(self) -> None:
         while self.running:
@@ -280,16 +298,22 @@ class Scheduler:
             batch = batch if mwb is not None else None
             if consecutive_prefill and in_flight:
                 pop_and_process()
+            mask = None
             if batch is not None:
                 with self.faults.contain(batch.reqs):
                     self.record_step(batch)
+                    mask = self.grammar.attach_mask(batch.reqs, mwb)
                     fut, future_ids = self.overlap.launch(mwb)
                     batch.output_ids = future_ids  # the next decode step feeds these in
                     in_flight.append((batch.snapshot(), fut))
-            if in_flight and (len(in_flight) > 1 or batch is None):
-                pop_and_process()
-            elif batch is None and not in_flight:
-                self.self_check_during_idle()
+            try:
+                if in_flight and (len(in_flight) > 1 or batch is None):
+                    pop_and_process()
+                elif batch is None and not in_flight:
+                    self.self_check_during_idle()
+            finally:
+                if mask is not None:  # only N is in flight now: every matcher is current
+                    fill_or_fail(mask)
             self.last_batch = batch
         while in_flight:
             pop_and_process()
@@ -301,5 +325,7 @@ class Scheduler:
             else:
                 self.event_loop_normal()
         finally:
+            self.grammar.shutdown()
             if self.overlap is not None:
                 self.overlap.shutdown()
+

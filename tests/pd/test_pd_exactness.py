@@ -121,3 +121,31 @@ def test_prefill_refuses_requests_without_a_room(stack) -> None:
     pre = stack[0]
     r = pre.post("/generate", {"text": "no room", "sampling_params": SP})
     assert r.status_code == 400 and "bootstrap_room" in r.json()["error"]["message"]
+
+
+def test_constrained_outputs_match_colocated(stack) -> None:
+    """Prefill samples the first token under the grammar; decode's matcher accepts it and
+    decoding goes on under the mask: the same tokens as colocated, and valid output."""
+    import json
+    import re
+
+    import jsonschema
+
+    pre, dec, col, _ = stack
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}}}
+    regex = r"(yes|no): [a-z]{1,6}"
+    cases = [({"max_new_tokens": 96, "temperature": 0.0, "json_schema": json.dumps(schema)}, "describe one item"),
+             ({"max_new_tokens": 96, "temperature": 0.9, "seed": 5, "json_schema": json.dumps(schema)},
+              "the quick brown fox jumps " * 20),
+             ({"max_new_tokens": 32, "temperature": 1.0, "seed": 9, "regex": regex}, "answer")]
+    for sp, prompt in cases:
+        got = pd_generate(pre, dec, {"text": prompt, "sampling_params": sp})
+        want = _colocated(col, prompt, sp)
+        assert got["output_ids"] == want["output_ids"], sp
+        if "json_schema" in sp:
+            jsonschema.validate(json.loads(got["text"]), schema)
+        else:
+            assert re.fullmatch(regex, got["text"]), got["text"]

@@ -1,0 +1,1 @@
+"""Structured output: constraints compiled into grammars, and the vocabulary masks they give."""

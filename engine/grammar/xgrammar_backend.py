@@ -1,0 +1,86 @@
+"""The xgrammar backend: JSON schema, regex, EBNF and structural tags, compiled into token-level
+automata with a precomputed per-token cache; masks are int32 bitmasks (one bit per token).
+
+JSON is generated compact (no free whitespace between tokens): a grammar that allows any run
+of whitespace lets a weak model emit newlines until it reaches max_tokens, and the output is
+then cut short and invalid. Compact JSON is the same value.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from tandem.engine.grammar.backend import GrammarBackend, GrammarError, Matcher
+
+
+class XGrammarMatcher:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.m = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.m.accept_token(token))
+
+    def fill_mask(self, mask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(mask, row)
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_terminated())
+
+
+class XGrammarBackend(GrammarBackend):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_ids) or None)
+        self.vocab_size = vocab_size
+        # Our own cache (grammar_queue.py) keys on the constraint text; xgrammar's would
+        # hold a second copy of every compiled grammar.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+        try:
+            if kind == "json_schema":
+                json.loads(text)  # a clear message for text that is not JSON at all
+                return self.compiler.compile_grammar(json_schema_grammar(text))
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            if kind == "ebnf":
+                return self.compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return self.compiler.compile_structural_tag(text)
+        except (ValueError, RuntimeError, TypeError, json.JSONDecodeError) as exc:
+            raise GrammarError(f"invalid {kind}: {_first_line(exc)}") from exc
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
+        return XGrammarMatcher(compiled)
+
+    def allocate_mask(self, rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor) -> None:
+        xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size)
+
+
+# xgrammar 0.2.8 writes a length-bounded string's characters (minLength / maxLength) as this
+# class, which lets raw control characters (U+0000..U+001F) into the string: JSON forbids
+# them, and `json.loads` refuses the output. Its unbounded strings use the right class.
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str) -> str:
+    """The EBNF of a JSON schema, compact (see the module docstring), with strings that
+    never hold a raw control character."""
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return grammar.replace(_LOOSE_CHARS, _JSON_CHARS)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
