@@ -49,8 +49,8 @@ def prompts(model_dir: str, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
         msgs = [{"role": "user", "content": f"Give a JSON record for {people[i % len(people)]}, #{i}."}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tok.encode(text, add_special_tokens=False))
     return out
 
 
@@ -67,6 +67,7 @@ def one_batch(eng: Any, ps: list[list[int]], rounds: int, max_new: int) -> dict[
         constrained = [{"max_new_tokens": max_new, "temperature": 0.7, "seed": 100 * r + i, "json_schema": schema}
                        for i in range(len(ps))]
         t_a, outs = timed(eng, ps, constrained)
+        assert not [o for o in outs if o["finish_reason"] == "abort"], outs[0]
         lengths = [len(o["token_ids"]) for o in outs]
         free = [{"max_new_tokens": n, "temperature": 0.7, "seed": 100 * r + i, "ignore_eos": True}
                 for i, n in enumerate(lengths)]
