@@ -56,7 +56,7 @@ class Hostile(http.server.BaseHTTPRequestHandler):
                 while True:
                     self.wfile.write(b"#")
                     self.wfile.flush()
-                    time.sleep(0.1)
+                    time.sleep(0.1)  # sleep-ok: a trickling metrics server: one byte per 0.1 s
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up, as it should
 

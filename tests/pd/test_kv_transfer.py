@@ -6,10 +6,10 @@ between two processes (the real NIXL/UCX path, on CPU memory)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 import torch
+from waits import wait_until
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.pd.transfer.contract import Events
@@ -40,8 +40,8 @@ def wait(t, pred, timeout: float = 20.0, also: tuple = ()):
     """Poll `t` until pred(its events so far); `also` are polled too (and their events kept
     in `backlog`): transfers advance only while both sides poll."""
     got = Events()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def step() -> bool:
         ev = t.poll()
         got.sent += ev.sent
         got.received += ev.received
@@ -49,10 +49,10 @@ def wait(t, pred, timeout: float = 20.0, also: tuple = ()):
             extra = other.poll()
             backlog.setdefault(id(other), Events()).sent.extend(extra.sent)
             backlog[id(other)].received.extend(extra.received)
-        if pred(got):
-            return got
-        time.sleep(0.001)
-    raise TimeoutError(f"no matching event in {timeout} s: {got}")
+        return pred(got)
+
+    wait_until(step, timeout, "a matching transfer event", interval=0.001)
+    return got
 
 
 backlog: dict[int, Events] = {}

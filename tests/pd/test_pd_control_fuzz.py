@@ -96,7 +96,7 @@ def test_the_old_killers_then_a_real_handshake_and_heartbeats(prefill) -> None:
         welcome = _wait_for(dec_inbox, lambda m: isinstance(m, PeerMsg))
         assert welcome.peer == "p" and isinstance(welcome.msg, pd.Welcome) and welcome.msg.ok
         dec.accept("p")
-        time.sleep(1.5)  # 7 heartbeat rounds, half the timeout
+        time.sleep(1.5)  # sleep-ok: 7 heartbeat rounds, half the timeout
         assert not [m for m in _drain(dec_inbox) + _drain(prefill.inbox) if isinstance(m, PeerDown)]
         assert time.monotonic() - prefill.channel.last_seen[hello.peer] < 1.0  # its heartbeats arrive
         assert prefill.channel.alive() and dec.alive()

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
+from waits import wait_until
 
 from tandem.decode.allowlist import Allowlist, PeerAddress, Verdict, parse_peers
 from tandem.decode.arrival import Arrival
@@ -35,10 +36,8 @@ def _resolver(table: dict[str, list[str]], calls: list[str], gate: threading.Eve
 
 
 def _settle(allow: Allowlist, host: str, port: int, timeout: float = 5.0) -> tuple[str, str]:
-    deadline = time.monotonic() + timeout
-    while (got := allow.check(host, port))[0] == Verdict.PENDING and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return got
+    return wait_until(lambda: (got := allow.check(host, port))[0] != Verdict.PENDING and got, timeout,
+                      f"a verdict on {host}:{port}", interval=0.01)
 
 
 def test_parse_peers() -> None:

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 from pd_client import pd_generate, pd_post, pd_stats
+from waits import wait_until
 from worker_process import Worker, free_port
 
 pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
@@ -56,10 +57,7 @@ def _raw_pd(w: Worker) -> dict:
 
 
 def _wait(cond, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+    wait_until(cond, timeout, "the condition", interval=0.05)
 
 
 def _wait_up(w: Worker) -> None:

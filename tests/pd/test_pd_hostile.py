@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import socket
-import time
 
 import pytest
 import zmq
@@ -15,6 +14,7 @@ from fake_prefill import FakePrefill
 from hypothesis import HealthCheck, given, settings
 from pd_client import pd_generate
 from pd_frames import KILLERS, fuzz_one, identities, messages
+from waits import wait_until
 from worker_process import PD_SECRET, Worker
 
 from tandem.pd import protocol as pd
@@ -82,10 +82,7 @@ def test_decode_connects_only_to_its_configured_prefills(stack) -> None:
 def _after_a_fresh_hello(fake: FakePrefill, mode: str) -> None:
     """Switch the fake's answers, then wait until decode has handshaken again under them."""
     fake.mode, seen = mode, fake.hellos
-    deadline = time.monotonic() + 30
-    while fake.hellos == seen and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert fake.hellos > seen, "decode stopped handshaking with its configured peer"
+    wait_until(lambda: fake.hellos > seen, 30, "decode to handshake again with its configured peer")
 
 
 def test_a_fake_prefill_answering_garbage_cannot_crash_decode(stack) -> None:

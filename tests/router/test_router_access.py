@@ -5,13 +5,12 @@ too many requests at once). The real router app in front of fake workers."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
 
 import httpx
 import pytest
 from router_fakes import FakeWorker, fakes, router, run
+from waits import async_until
 
 from tandem.router.config import RouterConfig
 from tandem.router.upstream import UpstreamError, _target
@@ -123,10 +122,10 @@ def test_a_client_that_stops_reading_loses_its_stream_and_slot() -> None:
                        http=http_protocol(stall_timeout=0.5)) as (url, _):
             sock = _stalled_request(url)
             try:
-                deadline = time.monotonic() + 20
-                while not (w.streams_closed and await _inflight(c, url) == 0):
-                    assert time.monotonic() < deadline, "the stalled stream still holds the worker and its slot"
-                    await asyncio.sleep(0.1)
+                async def released() -> bool:
+                    return bool(w.streams_closed) and await _inflight(c, url) == 0
+
+                await async_until(released, 20, "the stalled stream to release the worker and its slot", 0.1)
             finally:
                 sock.close()
 

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tandem.worker_contract import BOOTSTRAP_PORT_NAME, GENERATION_LABEL, HTTP_P
 pytest.importorskip("kmock", reason="pip install kmock (operator-test)")
 pytest.importorskip("kubernetes", reason="pip install kubernetes (the router's discovery)")
 from operator_kmock import KmockCluster, free_port, wait_for  # noqa: E402
+from waits import async_wait_until
 
 from tandem.router.discovery import PodDiscovery  # noqa: E402
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, WorkerSet  # noqa: E402
@@ -93,11 +93,7 @@ def watch_threads() -> list[threading.Thread]:
 
 
 async def until(what: str, probe: Callable[[], object], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    await async_wait_until(probe, timeout, what)
 
 
 async def discovering(cluster: KmockCluster, api: Api, selectors: dict[str, str], test: Callable[..., Any]) -> None:
@@ -157,7 +153,7 @@ def test_a_relist_after_an_expired_watch_drops_pods_deleted_unseen(cluster: Kmoc
         api.create(pod("lost", sel, ip="10.0.0.2"))
         await until("both pods", lambda: len(ws.workers) == 2)
         cluster.lose(PODS, NS, "lost")  # gone from the API, and no DELETED event
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # sleep-ok: no event may remove the lost pod: a quiet window
         assert len(ws.workers) == 2
         cluster.expire_watches(PODS, NS)
         await until("the relist to drop the lost pod", lambda: list(ws.workers) == ["http://10.0.0.1:9000"])

@@ -87,7 +87,7 @@ async def until(cond: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> No
     deadline = time.monotonic() + timeout
     while not await cond():
         assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # sleep-ok: poll interval of this module's async `until`
 
 
 async def pending(client: httpx.AsyncClient, router: str, role: str) -> float:
@@ -116,7 +116,7 @@ def test_a_request_is_held_until_a_worker_joins(shape: str) -> None:
             assert (await c.get(router + "/health/ready")).status_code == 200  # ready at zero: it can hold
             task = asyncio.create_task(c.post(router + "/generate", json=LONG))
             await held(c, router, role)
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # sleep-ok: the request must stay held for a while with no worker
             assert not task.done() and await pending(c, router, role) == 1
             new, new_url = workers[0]
             added = await c.post(router + "/workers", json={"url": new_url, "role": role}, headers=ADMIN)
@@ -242,7 +242,7 @@ def test_worker_set_wakes_waiters_on_change() -> None:
     async def test() -> None:
         ws = WorkerSet()
         waiter = asyncio.create_task(ws.changed(10))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # sleep-ok: the waiter must be parked before the change
         assert not waiter.done()
         ws.add(Worker("http://d:8000", DECODE))
         await asyncio.wait_for(waiter, 1)  # woken, long before its 10 s

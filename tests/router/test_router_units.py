@@ -100,19 +100,19 @@ def test_admission_queues_in_order_and_refuses_past_its_bounds() -> None:
         async def req(i: int, hold: float) -> None:
             async with adm.slot():
                 order.append(i)
-                await asyncio.sleep(hold)
+                await asyncio.sleep(hold)  # sleep-ok: a request holding its slot
 
         first = asyncio.create_task(req(0, 0.1))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # sleep-ok: the tasks started so far take their places in line
         waiting = [asyncio.create_task(req(i, 0.01)) for i in (1, 2)]
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # sleep-ok: the tasks started so far take their places in line
         with pytest.raises(ApiError) as full:
             await req(3, 0)
         assert full.value.status == 429
         await asyncio.gather(first, *waiting)
         assert order == [0, 1, 2] and adm.inflight == 0
         slow = asyncio.create_task(req(4, 0.5))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # sleep-ok: the tasks started so far take their places in line
         with pytest.raises(ApiError, match="waited"):
             await req(5, 0)
         await slow

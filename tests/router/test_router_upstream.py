@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from waits import async_wait_until
 
 from tandem.router.upstream import Upstream, UpstreamError
 from tandem.web.coalesced_http import CoalescingTransport
@@ -69,7 +70,7 @@ def _posts(n: int, pause: float = 0.0) -> Callable[[str, dict], Awaitable[None]]
             r = await up.post(url + "/x", b"{}")
             assert await r.read() == b"{}"
             r.close()
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause)  # sleep-ok: idle time between requests on a pooled connection
         await up.close()
     return test
 
@@ -100,7 +101,7 @@ def test_a_chunked_stream_arrives_piece_by_piece():
             release.clear()
         writer.write(b"0\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # sleep-ok: the fake worker keeps the connection open after the body
 
     async def test(url: str, stats: dict) -> None:
         nonlocal release
@@ -145,7 +146,7 @@ def test_closing_an_unfinished_answer_closes_the_connection():
             while True:
                 writer.write(b"5\r\nhello\r\n")
                 await writer.drain()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # sleep-ok: an endless stream, one chunk per 10 ms
         except ConnectionError:
             pass
         finally:
@@ -159,11 +160,7 @@ def test_closing_an_unfinished_answer_closes_the_connection():
         async for _ in r.iter_any():
             break
         r.close()  # a client that left: the worker must see its connection go
-        for _ in range(100):
-            if stats_ref.get("worker_saw_close"):
-                break
-            await asyncio.sleep(0.02)
-        assert stats_ref.get("worker_saw_close")
+        await async_wait_until(lambda: stats_ref.get("worker_saw_close"), 2, "the worker to see its connection close")
         await up.close()
 
     _serve(endless, test)
@@ -171,13 +168,13 @@ def test_closing_an_unfinished_answer_closes_the_connection():
 
 def test_errors_connect_timeout_and_malformed():
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # sleep-ok: a worker that never answers
 
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")
         await writer.drain()
-        await asyncio.sleep(1)
+        await asyncio.sleep(1)  # sleep-ok: garbage, then the connection held open
 
     async def timeout_test(url: str, stats: dict) -> None:
         up = Upstream(read_timeout=0.2)
@@ -205,7 +202,7 @@ def test_after_a_lost_reuse_the_retry_opens_a_fresh_connection():
     """Two pooled connections the worker has both dropped: the retry must not take the second."""
     async def answer_one_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         body = await _read_request(reader)
-        await asyncio.sleep(0.05)  # both first requests in flight at once: two connections
+        await asyncio.sleep(0.05)  # sleep-ok: both first requests in flight at once: two connections
         writer.write(_answer(body))
         await writer.drain()
         await reader.read(1)
@@ -252,10 +249,10 @@ def test_coalescing_transport_sends_one_turns_writes_as_one():
         t.write(b"HTTP/1.1 200 OK\r\n\r\n")
         t.write(b"body")
         assert raw.writes == []  # nothing until the turn ends
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sleep-ok: the end of one event-loop turn
         assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
         t.write(b"chunk")  # a later turn: its own write
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sleep-ok: the end of one event-loop turn
         assert raw.writes[-1] == b"chunk"
         t.write(b"last")
         t.close()  # what is pending leaves before the close

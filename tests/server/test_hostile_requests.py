@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from waits import wait_until
 from worker_process import Worker
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -94,10 +94,8 @@ def test_a_reused_rid_reaches_the_new_request(worker) -> None:
     t = threading.Thread(target=lambda: done.append(worker.post(
         "/generate", {"input_ids": [1, 2, 3], "rid": "dup2", "sampling_params": LONG})))
     t.start()
-    deadline = time.monotonic() + 10
-    while not worker.admin("POST", "/abort_request", {"rid": "dup2"}).json()["aborted"]:
-        assert time.monotonic() < deadline, "the first dup2 never got in flight"
-        time.sleep(0.02)
+    wait_until(lambda: worker.admin("POST", "/abort_request", {"rid": "dup2"}).json()["aborted"], 10,
+               "the first dup2 in flight, then aborted")
     reused = worker.post("/generate", {**short, "rid": "dup2"})
     t.join(60)
     assert done[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
@@ -128,17 +126,16 @@ def test_a_worker_whose_scheduler_died_exits(model_path, in_flight: bool) -> Non
         asker = threading.Thread(target=ask)
         if in_flight:
             asker.start()
-            time.sleep(0.5)
+            w.wait_running(1)
         os.kill(_scheduler_pid(w.proc.pid), signal.SIGKILL)
-        deadline = time.monotonic() + 2
-        while True:  # liveness fails at once: 503 while it stops, then nothing listens
+
+        def not_live() -> bool:  # liveness fails at once: 503 while it stops, then nothing listens
             try:
-                if w.get("/health").status_code != 200:
-                    break
+                return w.get("/health").status_code != 200
             except httpx.HTTPError:
-                break
-            assert time.monotonic() < deadline, "/health still 200 with the scheduler dead"
-            time.sleep(0.05)
+                return True
+
+        wait_until(not_live, 2, "/health to fail with the scheduler dead")
         assert w.proc.wait(15) == 70, w.output()
         if in_flight:
             asker.join(30)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -83,11 +82,10 @@ def _garbage_to_bootstrap(port: int) -> None:
     try:
         for frames in ([b"x"], [b"", b"", b""], [b"[]"], [b"1"], [b"[" * 200_000], [b"\xff" * 64]):
             s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.LINGER, 1000)  # close() still delivers the frames, for up to 1 s
             s.setsockopt(zmq.IDENTITY, b"\x00\xff\xfe\x01")
             s.connect(f"tcp://127.0.0.1:{port}")
             s.send_multipart(frames)
-            time.sleep(0.05)
             s.close()
         raw = socket.create_connection(("127.0.0.1", port))  # not even ZMQ
         raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 4096)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
+from waits import wait_until
 from worker_process import Worker
 
 from tandem import Engine
@@ -108,10 +108,8 @@ def test_client_disconnect_aborts_on_the_workers(stack) -> None:
                 metrics = router.get("/metrics").text
                 assert "tandem_router_inflight_requests 1.0" in metrics
                 break  # the first token arrived: now go away
-    deadline = time.monotonic() + 15
-    while any(w.get("/debug/pool").json()["ranks"][0]["num_running"] for w in workers):
-        assert time.monotonic() < deadline, "the workers kept generating for a client that left"
-        time.sleep(0.1)
+    wait_until(lambda: not any(w.running() for w in workers), 15,
+               "the workers to stop generating for a client that left")
 
 
 def test_worker_killed_mid_stream_then_readmitted(model_path) -> None:
@@ -134,17 +132,13 @@ def test_worker_killed_mid_stream_then_readmitted(model_path) -> None:
         other = next(w for w in workers if w is not busy)
         for _ in range(4):  # the next requests go to the live worker
             assert router.post("/generate", {"text": "next", "sampling_params": SP}).status_code == 200
-        deadline = time.monotonic() + 15  # health checks (every 0.5 s) mark the dead one down
-        while (listed := {w["url"]: w for w in router.get("/workers").json()["workers"]})[busy.url]["healthy"]:
-            assert time.monotonic() < deadline, "the dead worker stayed healthy"
-            time.sleep(0.1)
-        assert listed[other.url]["healthy"]
+        listed = lambda: {w["url"]: w for w in router.get("/workers").json()["workers"]}  # noqa: E731
+        # health checks (every 0.5 s) mark the dead one down
+        wait_until(lambda: not listed()[busy.url]["healthy"], 15, "the dead worker marked down")
+        assert listed()[other.url]["healthy"]
         args = busy.proc.args[busy.proc.args.index("serve"):]
         restarted = Worker(args, port=busy.port).wait_ready()
-        deadline = time.monotonic() + 15
-        while not {w["url"]: w for w in router.get("/workers").json()["workers"]}[busy.url]["healthy"]:
-            assert time.monotonic() < deadline, "the restarted worker was not readmitted"
-            time.sleep(0.2)
+        wait_until(lambda: listed()[busy.url]["healthy"], 15, "the restarted worker readmitted")
         for w in (other, restarted):
             assert w.pool()["whole"]
     finally:

@@ -7,13 +7,12 @@ The worker runs with --max-context-len 128 so a generated max_tokens cannot make
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
+from waits import wait_until  # noqa: E402
 from worker_process import Worker  # noqa: E402
 
 from tandem.engine.engine_config import EngineConfig  # noqa: E402
@@ -101,10 +100,8 @@ def test_stateful_interleavings_never_fail_the_worker(fuzz_worker) -> None:
             assert all(s < 500 for s in statuses), statuses
 
         def teardown(self) -> None:
-            deadline = time.monotonic() + 30
-            while not fuzz_worker.pool()["whole"]:  # idle once the cut-off streams' aborts land
-                assert time.monotonic() < deadline, fuzz_worker.output()
-                time.sleep(0.2)
+            # idle once the cut-off streams' aborts land
+            wait_until(lambda: fuzz_worker.pool()["whole"], 30, "the fuzzed worker idle and whole")
 
     run_state_machine_as_test(Interleavings, settings=settings(
         max_examples=6, stateful_step_count=10, deadline=None, derandomize=True,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
+from waits import wait_until
 from worker_process import Worker
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
@@ -44,10 +44,8 @@ def test_abort_request_and_flush_and_metrics(worker) -> None:
     t = threading.Thread(target=lambda: done.append(worker.post(
         "/generate", {"text": "x", "rid": "victim", "sampling_params": LONG})))
     t.start()
-    deadline = time.monotonic() + 10
-    abort = lambda: worker.admin("POST", "/abort_request", {"rid": "victim"}).json()["aborted"]
-    while not abort() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: worker.admin("POST", "/abort_request", {"rid": "victim"}).json()["aborted"], 10,
+               "the victim in flight, then aborted")
     t.join(60)
     assert done and done[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert worker.pool()["whole"]
@@ -104,14 +102,14 @@ def test_drain_with_requests_in_flight(model_path, how) -> None:
                    "sampling_params": sp}))) for sp in (short, LONG | {"max_new_tokens": 3000}, short)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        # All three admitted: each has either answered already or is running.
+        wait_until(lambda: len(results) + w.running() >= 3, 30, "the three requests admitted")
         if how == "endpoint":
             report = w.admin("POST", "/drain", {"timeout": 1.0}).json()
             assert report["pool_whole"] and report["aborted"] >= 1, report
         else:
             w.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            assert w.get("/health/ready").status_code == 503
+            wait_until(lambda: w.get("/health/ready").status_code == 503, 10, "readiness off while draining")
             assert w.post("/generate", {"text": "x"}).status_code == 503
         for t in threads:
             t.join(60)

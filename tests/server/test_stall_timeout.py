@@ -29,7 +29,7 @@ def _app(closed: threading.Event):
         try:
             while True:
                 yield b"x" * 65536
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # sleep-ok: one event-loop turn between chunks of an endless stream
         finally:
             closed.set()
 
@@ -76,6 +76,6 @@ def test_a_slow_but_reading_client_is_not_cut_off() -> None:
         t_end = time.monotonic() + 3
         while time.monotonic() < t_end:  # reads steadily, a little at a time
             assert sock.recv(1 << 20)
-            time.sleep(0.2)
+            time.sleep(0.2)  # sleep-ok: a slow but steady reader: the stall timer must not cut it
         assert StallTimer.cut == before and not closed.is_set()
         sock.close()

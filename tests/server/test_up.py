@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 from up_stack import Stack, _children, _pools_whole  # noqa: E402
+from waits import wait_until  # noqa: E402
 
 DASHBOARD = Path(__file__).parents[2] / "charts/tandem/dashboards/tandem.json"
 
@@ -89,19 +89,21 @@ def test_up_restarts_then_goes_down_when_a_component_dies(model_path):
     try:
         first = stack.state()["decode-0"]["pid"]
         os.killpg(first, signal.SIGKILL)
-        deadline = time.monotonic() + 180
-        while stack.state()["decode-0"]["pid"] == first or httpx.get(stack.url + "/health/ready").status_code != 200:
-            assert time.monotonic() < deadline and stack.proc.poll() is None, stack.output()
-            time.sleep(0.5)
+        def restarted() -> bool:
+            assert stack.proc.poll() is None, stack.output()
+            return (stack.state()["decode-0"]["pid"] != first
+                    and httpx.get(stack.url + "/health/ready").status_code == 200)
+
+        wait_until(restarted, 180, "decode-0 restarted and the stack ready", interval=0.5)
         assert "decode-0 exited (signal SIGKILL); restarting it (1/1)" in stack.output()
         # The restarted decode worker handshakes again, and the router readmits it.
-        while True:
+        def answer() -> object:
             try:
-                done = stack.client().completions.create(model="tiny", prompt="again", max_tokens=3)
-                break
+                return stack.client().completions.create(model="tiny", prompt="again", max_tokens=3)
             except openai.APIError:
-                assert time.monotonic() < deadline, stack.output()
-                time.sleep(0.5)
+                return None
+
+        done = wait_until(answer, 180, "an answer through the readmitted decode worker", interval=0.5)
         assert done.usage.completion_tokens == 3
         stack.tree |= _children(stack.proc.pid)
         os.killpg(stack.state()["decode-0"]["pid"], signal.SIGKILL)  # restarts are spent: the stack goes down

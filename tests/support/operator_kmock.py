@@ -27,7 +27,6 @@ import datetime
 import json
 import re
 import threading
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -40,6 +39,7 @@ import kmock
 from kmock._internal import enums
 from operator_support import merge_patch
 from prometheus_client.parser import text_string_to_metric_families
+from waits import wait_until
 
 from tandem.local.plan import free_port  # noqa: F401  (the tests import it from here)
 
@@ -267,13 +267,7 @@ def reconciles(samples: dict[str, float]) -> float:
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(probe, timeout, what, interval=0.25)
 
 
 def condition(cr: dict[str, Any] | None, kind: str) -> dict[str, Any]:

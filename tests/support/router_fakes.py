@@ -81,7 +81,7 @@ class FakeWorker:
         try:
             while (self.chunks is None or i < self.chunks) and not gone.done():
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-                await asyncio.sleep(self.gap)
+                await asyncio.sleep(self.gap)  # sleep-ok: a fake worker streaming at its configured pace
                 i += 1
             if gone.done():
                 self.streams_closed += 1  # cut short: the router closed the connection
@@ -110,7 +110,7 @@ async def serving(app: Any, lifespan: str = "off", **config: Any) -> AsyncIterat
         while not server.started:
             if task.done():
                 task.result()  # it failed to start: raise why
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # sleep-ok: poll interval while uvicorn starts (its `started` flag has no event)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -10,11 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
+from waits import wait_until
 from worker_process import free_port
 
 SMALL = "--max-total-tokens 16384"
@@ -62,19 +62,18 @@ class Stack:
         return (self.run_dir / "up.log").read_text(errors="replace")[-8000:]
 
     def wait_up(self, timeout: float = 240) -> Stack:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def up() -> bool:
             assert self.proc.poll() is None, self.output()
             try:
                 # The router answers /health only once every worker is ready; the banner follows.
-                up = httpx.get(self.url + "/health", timeout=2).status_code == 200
-                if up and "Tandem is up" in self.output():
-                    self.tree = _children(self.proc.pid)
-                    return self
+                return (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and "Tandem is up" in self.output())
             except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(self.output())
+                return False
+
+        wait_until(up, timeout, f"tandem up serving:\n{self.output()}", interval=0.3)
+        self.tree = _children(self.proc.pid)
+        return self
 
     def state(self) -> dict:
         return json.loads((self.run_dir / "stack.json").read_text())

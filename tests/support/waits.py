@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,6 +22,15 @@ def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+async def async_until(cond: Callable[[], Awaitable[object]], timeout: float, what: str, interval: float = 0.02) -> None:
+    """Await `cond()` until it is truthy; for conditions that need a request to check."""
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 async def async_wait_until(cond: Callable[[], T], timeout: float, what: str) -> T:

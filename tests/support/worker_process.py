@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+from waits import wait_until
 
 from tandem import worker_contract as contract
 from tandem.local.plan import free_port
@@ -33,18 +33,21 @@ def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, st
                              "--port", str(port), "--log-level", "warn"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("sglang-router exited")
         try:
             probe = {"text": "x", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-            if httpx.post(url + "/generate", json=probe, timeout=10).is_success:
-                return proc, url
+            return httpx.post(url + "/generate", json=probe, timeout=10).is_success
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("sglang-router did not come up")
-        time.sleep(0.5)
+            return False
+
+    try:
+        wait_until(up, timeout, "sglang-router serving", interval=0.5)
+    except (AssertionError, RuntimeError):
+        proc.kill()
+        raise RuntimeError("sglang-router did not come up") from None
+    return proc, url
 
 
 class Worker:
@@ -104,18 +107,20 @@ class Worker:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_ready(self, timeout: float = 180) -> Worker:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + contract.READY_PATH, timeout=2).status_code == 200:
-                    return self
+                return httpx.get(self.url + contract.READY_PATH, timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"tandem serve not ready in {timeout} s:\n{self.output()}")
+                return False
+
+        try:
+            wait_until(ready, timeout, "tandem serve ready", interval=0.2)
+            return self
+        except AssertionError:
+            self.stop()
+            raise TimeoutError(f"tandem serve not ready in {timeout} s:\n{self.output()}") from None
 
     def get(self, path: str, **kw: object) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers(), timeout=60, **kw)  # type: ignore[arg-type]
@@ -129,12 +134,24 @@ class Worker:
 
     def pool(self) -> dict:
         """The pools' integrity, from outside: waits (bounded) until every rank is idle."""
-        deadline = time.monotonic() + 30
-        while True:
-            state = self.get("/debug/pool").json()
-            if state["whole"] is not None or time.monotonic() > deadline:
-                return state
-            time.sleep(0.05)
+        states: list[dict] = []
+
+        def idle() -> bool:
+            states.append(self.get("/debug/pool").json())
+            return states[-1]["whole"] is not None
+
+        try:
+            wait_until(idle, 30, "every rank idle", interval=0.05)
+        except AssertionError:
+            pass  # the caller asserts on "whole" and shows the state
+        return states[-1]
+
+    def running(self) -> int:
+        """Requests running on any rank now (their first token may not be out yet)."""
+        return sum(r["num_running"] + r["num_waiting"] for r in self.get("/debug/pool").json()["ranks"])
+
+    def wait_running(self, n: int = 1, timeout: float = 30) -> None:
+        wait_until(lambda: self.running() >= n, timeout, f"{n} request(s) in flight on {self.url}")
 
     def output(self) -> str:
         self.log.flush()
