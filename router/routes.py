@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from tandem.protocol.chat_api import ChatCompletionRequest
+from tandem.protocol.openai_api import CompletionRequest, GenerateRequest
 from tandem.router.proxy import Job
 from tandem.router.worker_urls import parse_worker_url
 from tandem.router.workers import COLOCATED, DECODE, PREFILL, Worker
@@ -98,11 +99,11 @@ CHARS_PER_TOKEN = 4  # a prompt's tokens estimated from its text, where it is no
 INLINE_CHARS = 2048  # shorter texts tokenize in ~50 us: a thread hop would cost more than it saves
 
 
-async def _tokens(state: Any, fn: Any, arg: Any) -> list[int]:
+async def _tokens(state: Any, fn: Any, *args: Any) -> list[int]:
     try:
-        if len(str(arg)) <= INLINE_CHARS:
-            return fn(arg)
-        return await asyncio.to_thread(fn, arg)  # off the event loop: long prompts take ms
+        if len(str(args)) <= INLINE_CHARS:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)  # off the event loop: long prompts take ms
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from None
 
@@ -119,9 +120,10 @@ async def completion_job(state: Any, body: CompletionRequest, raw: dict) -> Job:
 
 
 async def chat_job(state: Any, body: ChatCompletionRequest, raw: dict) -> Job:
+    """Routing keys on the prompt as the worker renders it, tools included; the output
+    constraint (response_format, a forced tool choice) is not part of it."""
     _check_model(state, body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = await _tokens(state, state.tokenizer.chat, messages)
+    ids = await _tokens(state, state.tokenizer.chat, body.template_messages(), body.template_tools())
     budget = body.max_new_tokens or DEFAULT_BUDGET
     return Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n, body.stream)
 

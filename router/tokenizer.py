@@ -42,12 +42,12 @@ class RouterTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Raises ValueError when there is no template or it rejects the conversation."""
         if self.template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
+            text = self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.specials)
         except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
             raise ValueError(f"the chat template rejected the messages: {exc}") from None
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -63,8 +63,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return list(json.dumps(messages, separators=(",", ":")).encode())
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Tools first, where templates put them: requests sharing them share a prefix."""
+        head = json.dumps(tools, separators=(",", ":")) if tools else ""
+        return list((head + json.dumps(messages, separators=(",", ":"))).encode())
 
 
 def load_tokenizer(model_dir: str | None) -> RouterTokenizer | ByteTokenizer:

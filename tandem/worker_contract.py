@@ -6,7 +6,8 @@ never disagree on a flag, a port, a path or an env name. torch-free and kopf-fre
 operator's and the router's images import it.
 
     argv   tandem serve --role R --model DIR --served-model-name NAME --host H --port P
-                        [--bootstrap-port B] [--admin-port A] [--config engine.yaml] [engine flags]
+                        [--bootstrap-port B] [--admin-port A] [--config engine.yaml]
+                        [--tool-call-parser F] [--reasoning-parser R] [engine flags]
            tandem router --host H --port P [--admin-port A] [--model DIR] [--model-name NAME]
                          (--prefill-selector S --decode-selector S --namespace NS | --selector S ...
                           | --prefill URL=BOOTSTRAP... --decode URL... | --workers URL...)
@@ -54,6 +55,10 @@ MODEL_MOUNT = "/models"
 # ---- roles ----
 COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
 WORKER_ROLES = (COLOCATED, PREFILL, DECODE)
+
+# ---- how a chat answer is read (the server's registries: tandem/server/tools/, reasoning.py) ----
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # unset: read off the chat template
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # unset: no reasoning_content
 
 # ---- env names ----
 ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_POD_IP = "POD_NAME", "POD_NAMESPACE", "POD_IP"
@@ -138,10 +143,16 @@ class WorkerArgs:
     config: str | None = ENGINE_CONFIG_PATH
     extra: tuple[str, ...] = ()  # engine flags under SGLang's names, passed through
     admin_port: int | None = None  # None: the server's default, ADMIN_PORT (`tandem up` gives each its own)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
             raise ValueError(f"role must be one of {WORKER_ROLES}, got {self.role!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
 
 
 def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[str]:
@@ -152,6 +163,10 @@ def worker_argv(args: WorkerArgs, program: Sequence[str] = ("tandem",)) -> list[
         argv += ["--admin-port", str(args.admin_port)]
     if args.config is not None:
         argv += ["--config", args.config]
+    if args.tool_call_parser is not None:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser is not None:
+        argv += ["--reasoning-parser", args.reasoning_parser]
     return [*argv, *args.extra]
 
 
@@ -214,6 +229,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-port", type=int, default=None,
                    help=f"the admin listener's port on 127.0.0.1 (default {ADMIN_PORT}; 0: none)")
     p.add_argument("--config", default=None, help="engine YAML (the operator mounts it at " + ENGINE_CONFIG_PATH + ")")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's tool-call format (default: read off its chat template, else hermes)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> into message.reasoning_content")
 
 
 def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
@@ -223,7 +242,8 @@ def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
     ns, extra = p.parse_known_args(list(argv))
     return WorkerArgs(role=ns.role, model=ns.model, served_model_name=ns.served_model_name or ns.model,
                       host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port, config=ns.config,
-                      extra=tuple(extra), admin_port=ns.admin_port)
+                      extra=tuple(extra), admin_port=ns.admin_port, tool_call_parser=ns.tool_call_parser,
+                      reasoning_parser=ns.reasoning_parser)
 
 
 def pd_secret_env(secret_name: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from tandem.engine.engine_config import EngineConfig
 
 def test_argv_round_trip() -> None:
     args = contract.WorkerArgs(role="decode", model="/models/m", served_model_name="org/m", port=9000,
-                               bootstrap_port=9100, config="/tmp/e.yaml", extra=("--page-size", "16"))
+                               bootstrap_port=9100, config="/tmp/e.yaml", extra=("--page-size", "16"),
+                               tool_call_parser="llama3_json", reasoning_parser="deepseek-r1")
     argv = contract.worker_argv(args)
     assert argv[:2] == ["tandem", "serve"]
     assert contract.parse_worker_argv(argv[2:]) == args
@@ -27,6 +28,10 @@ def test_argv_round_trip() -> None:
     assert (minimal.role, minimal.served_model_name, minimal.config) == ("colocated", "tiny", None)
     with pytest.raises(ValueError, match="role"):
         contract.WorkerArgs(role="router", model="m", served_model_name="m")
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        contract.WorkerArgs(role="colocated", model="m", served_model_name="m", tool_call_parser="xml")
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        contract.WorkerArgs(role="colocated", model="m", served_model_name="m", reasoning_parser="o1")
 
 
 def test_engine_yaml_round_trip_and_errors() -> None:

@@ -32,3 +32,4 @@ MAX_ID_CHARS = 256  # request ids (`rid`), user names
 # text and its compile time are bounded, so one hostile schema costs one request, not the worker.
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_TOOLS = 128  # tool definitions per request
+MAX_TOOL_CALLS = 128  # calls in one assistant message of a conversation

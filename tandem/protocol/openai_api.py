@@ -1,5 +1,5 @@
-"""HTTP request bodies shared by the worker and the router: OpenAI completions and chat,
-and SGLang's native `/generate`. Each is validated here, once: a body that parses is a
+"""HTTP request bodies shared by the worker and the router: OpenAI completions (chat is in
+chat_api.py) and SGLang's native `/generate`. Each is validated here, once: a body that parses is a
 body the engine accepts, so the servers answer bad input with 400 before any work.
 
 Field names and defaults follow OpenAI (and vLLM/SGLang for their extensions: top_k,
@@ -10,11 +10,14 @@ upper bound (limits.py): no value a client sends can overflow what the engine bu
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from functools import cached_property
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tandem.protocol import limits as L
+from tandem.protocol.body import Body
+from tandem.protocol.schema_check import CONSTRAINT_KINDS, check_schema_string
 
 # Prompt ids are checked against the vocabulary by the front, with a clearer message than a
 # bound here would give inside the prompt's union of shapes.
@@ -54,17 +57,15 @@ Seed = Annotated[int, Field(ge=0, le=L.MAX_SEED)]
 Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=L.MAX_STOP_TOKEN_IDS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Constraint = Annotated[str, Field(min_length=1, max_length=L.MAX_CONSTRAINT_CHARS)]
+SchemaString = Annotated[Constraint, AfterValidator(lambda v: check_schema_string(v, "json_schema"))]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Bootstrap(_Body):
+class _Bootstrap(Body):
     """PD routing (SGLang's fields): the router sends the same body to a prefill and a
     decode worker; the room names the request on both. Job i of a batch or of `n`
     choices is room + i on both sides."""
@@ -78,7 +79,7 @@ class _Bootstrap(_Body):
                 "bootstrap_room": self.bootstrap_room}
 
 
-class _Sampling(_Bootstrap):
+class SamplingFields(_Bootstrap):
     """What completions and chat share."""
 
     model: str
@@ -100,14 +101,34 @@ class _Sampling(_Bootstrap):
     logit_bias: dict[Annotated[str, Field(max_length=20)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         default=None, max_length=L.MAX_LOGIT_BIAS)  # token ids as strings -> OpenAI's bias range
     user: str | None = Field(default=None, max_length=L.MAX_ID_CHARS)
+    # SGLang's structured-output extras: the engine constrains the output to one of them.
+    json_schema: SchemaString | None = None
+    regex: Constraint | None = None
+    ebnf: Constraint | None = None
 
     @model_validator(mode="after")
-    def _unsupported(self) -> _Sampling:
+    def _unsupported(self) -> SamplingFields:
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported; send 0")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        given = self.constraint_sources
+        if len(given) > 1:
+            raise ValueError(f"at most one output constraint per request, got {', '.join(given)}")
+        for field, (_, text) in given.items():
+            if len(text) > L.MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"the constraint from {field} is {len(text)} characters; "
+                                 f"at most {L.MAX_CONSTRAINT_CHARS}")
         return self
+
+    @cached_property
+    def constraint_sources(self) -> dict[str, tuple[str, str]]:
+        """Each field that constrains the output -> (engine kind, text); valid requests have <= 1.
+        Computed once: a forced tool choice's schema is built from every tool's."""
+        return self.constraint_fields()
+
+    def constraint_fields(self) -> dict[str, tuple[str, str]]:
+        return {k: (k, getattr(self, k)) for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None}
 
     def sampling(self, max_new_tokens: int, index: int, top_logprobs: int | None) -> dict[str, Any]:
         """Engine SamplingParams kwargs for choice `index` (each choice of n gets its own seed)."""
@@ -119,6 +140,7 @@ class _Sampling(_Bootstrap):
             sp["seed"] = (self.seed + index) % 2**31
         if top_logprobs is not None:
             sp["return_logprob"], sp["top_logprobs_num"] = True, top_logprobs
+        sp.update(dict(self.constraint_sources.values()))
         return sp
 
     @property
@@ -126,7 +148,7 @@ class _Sampling(_Bootstrap):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: MaxTokens | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=L.MAX_TOP_LOGPROBS)
@@ -152,48 +174,6 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = Field(default=None, max_length=L.MAX_ID_CHARS)
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=L.MAX_MESSAGES)
-    max_tokens: MaxTokens | None = None
-    max_completion_tokens: MaxTokens | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=L.MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
-        if sum(len(m.text()) for m in self.messages) > L.MAX_PROMPT_CHARS:
-            raise ValueError(f"the messages' text exceeds {L.MAX_PROMPT_CHARS} characters")
-        return self
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
 class GenerateSampling(BaseModel):
     """SGLang's sampling_params, the subset this engine runs; any other key is a 400."""
 
@@ -208,6 +188,21 @@ class GenerateSampling(BaseModel):
     ignore_eos: bool = False
     seed: Seed | None = None
     skip_special_tokens: bool = True
+    json_schema: SchemaString | None = None
+    regex: Constraint | None = None
+    ebnf: Constraint | None = None
+    structural_tag: Constraint | None = None
+
+    @model_validator(mode="after")
+    def _at_most_one_constraint(self) -> GenerateSampling:
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(CONSTRAINT_KINDS)} may be set, got {', '.join(given)}")
+        return self
+
+    @property
+    def constraint(self) -> str | None:
+        return next((k for k in CONSTRAINT_KINDS if getattr(self, k) is not None), None)
 
     def engine_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)

@@ -16,12 +16,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tandem.server import admin_routes, generate_routes, openai_routes
+from tandem.server import admin_routes, chat_routes, generate_routes, openai_routes
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.runtime import Runtime
 from tandem.server.tokens import Tokens
+from tandem.server.tools.registry import choose_format
 from tandem.web import errors
 from tandem.web.json_body import JsonBodies
 from tandem.web.security import Guard
@@ -67,8 +68,10 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
         metrics = ServerMetrics()
         front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe,
                       on_down=lambda: _stop_serving(app))
-        rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics)
+        tool_format = choose_format(config.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics, tool_format)
         log.info("scheduler ready in %.1f s: %s", time.monotonic() - t0, front.info)
+        log.info("tool calls in the %s format; reasoning parser: %s", tool_format, config.reasoning_parser)
         if config.standalone:
             await _warm_up(rt)
         rt.ready = True
@@ -84,7 +87,7 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
 
     app = FastAPI(title="tandem worker", version="0.1.0", lifespan=lifespan)
     errors.install(app)
-    for r in (openai_routes.router, generate_routes.router, admin_routes.router):
+    for r in (openai_routes.router, chat_routes.router, generate_routes.router, admin_routes.router):
         app.include_router(r)
     app.add_middleware(JsonBodies)  # inside the guard: a body is checked once it is let in
     app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,

@@ -40,6 +40,7 @@ class Choice:
     stream: Stream
     text: TextStream
     prompt_len: int
+    first: ReqOutput | None = None  # read ahead by `await_admission`, not yet yielded
 
 
 def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[str, Any]]],
@@ -64,17 +65,41 @@ def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[
     return choices
 
 
+def _refusal(front: Front, choice: Choice, out: ReqOutput) -> ApiError | None:
+    """Refused by the scheduler before its first token (a constraint that does not compile, ...):
+    an error, not an empty answer. One aborted on purpose, by /abort_request or a drain,
+    answers finish_reason abort."""
+    reason = out.finish_reason or {}
+    if (out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0
+            and not choice.stream.aborted and reason.get("status", 400) >= 400):
+        status = 503 if front.draining else reason.get("status", 400)
+        return ApiError(status, reason.get("message") or "request aborted")
+    return None
+
+
+async def await_admission(front: Front, choices: list[Choice]) -> None:
+    """Waits for every choice's first output, so that a refusal is the response's status rather
+    than an error event in a stream already answered 200. For requests the scheduler may refuse
+    after admission (a constraint it compiles); on any error every choice is closed."""
+    try:
+        for c in choices:
+            c.first = await c.stream.next()
+            refused = _refusal(front, c, c.first)
+            if refused is not None:
+                raise refused
+    except BaseException:
+        for c in choices:
+            front.close(c.stream)
+        raise
+
+
 async def run_choice(front: Front, choice: Choice) -> AsyncIterator[Delta]:
     try:
         while True:
-            out = await choice.stream.next()
-            reason = out.finish_reason or {}
-            if (out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0
-                    and not choice.stream.aborted and reason.get("status", 400) >= 400):
-                # Refused by the scheduler before its first token: an error, not an empty answer.
-                # (One aborted on purpose, by /abort_request or a drain, answers finish_reason abort.)
-                raise ApiError(503 if front.draining else reason.get("status", 400),
-                               reason.get("message") or "request aborted")
+            out, choice.first = choice.first or await choice.stream.next(), None
+            refused = _refusal(front, choice, out)
+            if refused is not None:
+                raise refused
             yield Delta(choice.index, choice.text.feed(out.token_ids, out.finished), out.token_ids, out)
             if out.finished:
                 return

@@ -45,6 +45,8 @@ class ServerConfig:
     drain_timeout: float = 30.0
     pod_ip: str | None = None
     kv_transfer: KvTransfer | None = None
+    tool_call_parser: str | None = None  # None: the chat template says (tools/registry.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.admin_key and self.admin_key == self.api_key:
@@ -122,5 +124,6 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.env
         admin_key=ns.admin_key or environ.get(ENV_ADMIN_KEY) or None,
         admin_port=ADMIN_PORT if ns.admin_port is None else ns.admin_port, max_queued_requests=ns.max_queued_requests,
         max_request_bytes=ns.max_request_bytes, drain_timeout=ns.drain_timeout, pod_ip=environ.get(ENV_POD_IP),
-        kv_transfer=kv_from_env(environ) or kv,
+        kv_transfer=kv_from_env(environ) or kv, tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )

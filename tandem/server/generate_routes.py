@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.protocol.openai_api import GenerateRequest
-from tandem.server.choices import Choice, Delta, collect, merged, open_choices
+from tandem.server.choices import Choice, Delta, await_admission, collect, merged, open_choices
 from tandem.server.runtime import Runtime
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
@@ -73,6 +73,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                            skip_special_tokens=body.sampling_params.skip_special_tokens, **bootstrap)
     logprob = bool(body.return_logprob or body.top_logprobs_num)
     if body.stream:
+        if body.sampling_params.constraint is not None:  # one that does not compile: a 400, not an error event
+            await cancel_on_disconnect(request, await_admission(rt.front, choices))
         return StreamingResponse(_stream(rt, choices[0], t0, logprob), media_type="text/event-stream")
     per = await cancel_on_disconnect(request, collect(rt.front, choices))
     results = [{"text": c.text.text, "output_ids": [t for d in ds for t in d.token_ids],

@@ -1,4 +1,4 @@
-"""OpenAI's /v1/completions, /v1/chat/completions and /v1/models.
+"""OpenAI's /v1/completions and /v1/models (chat is chat_routes.py), and what both share.
 
 Choice i of prompt p has index p * n + i, as OpenAI numbers them. Streams are SSE
 (`data: {json}` per chunk, `data: [DONE]` last); with stream_options.include_usage
@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
-from tandem.server.choices import Choice, Delta, check_model, collect, merged, open_choices
+from tandem.protocol.openai_api import CompletionRequest
+from tandem.server.choices import Choice, Delta, await_admission, check_model, collect, merged, open_choices
 from tandem.server.runtime import Runtime
 from tandem.server.tokens import Tokens
 from tandem.web.disconnect import cancel_on_disconnect
@@ -50,16 +50,6 @@ def completion_logprobs(tokens: Tokens, d: Delta, offset: int) -> dict[str, Any]
             "top_logprobs": tops or [None] * len(strs), "text_offset": offsets}
 
 
-def chat_logprobs(tokens: Tokens, d: Delta) -> dict[str, Any]:
-    def entry(t: int, lp: float) -> dict[str, Any]:
-        s = tokens.token_text(int(t))
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    tops = d.out.top_logprobs or [[] for _ in d.token_ids]
-    return {"content": [{**entry(t, lp), "top_logprobs": [entry(int(a), b) for a, b in top]}
-                        for t, lp, top in zip(d.token_ids, d.out.logprobs or [], tops)]}
-
-
 # ---- /v1/completions ------------------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -78,6 +68,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": rt.config.served_model_name}
     if body.stream:
+        if body.constraint_sources:  # a constraint that does not compile is a 400, not an error event
+            await cancel_on_disconnect(request, await_admission(rt.front, choices))
         return StreamingResponse(_stream_completions(rt, body, choices, head, echoes),
                                  media_type="text/event-stream")
     per = await cancel_on_disconnect(request, collect(rt.front, choices))
@@ -120,55 +112,6 @@ async def _stream_completions(rt: Runtime, body: CompletionRequest, choices: lis
             if d.text or d.finish_reason or lp:
                 yield sse({**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
                                                 "finish_reason": d.finish_reason}], **extra})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(choices, [finals[c.index] for c in choices], body.n)})
-    except ApiError as exc:
-        yield sse(exc.body())
-    yield "data: [DONE]\n\n"
-
-
-# ---- /v1/chat/completions --------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    rt: Runtime = request.app.state.runtime
-    bootstrap = rt.check_bootstrap(body)
-    check_model(body.model, rt.config.served_model_name)
-    ids = await rt.tokens.chat_ids([{"role": m.role, "content": m.text()} for m in body.messages])
-    budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],
-                           skip_special_tokens=body.skip_special_tokens, **bootstrap)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.config.served_model_name}
-    if body.stream:
-        return StreamingResponse(_stream_chat(rt, body, choices, head), media_type="text/event-stream")
-    per = await cancel_on_disconnect(request, collect(rt.front, choices))
-    out_choices = []
-    for c, deltas in zip(choices, per):
-        lp = None
-        if body.logprobs:
-            lp = {"content": [e for d in deltas for e in chat_logprobs(rt.tokens, d)["content"]]}
-        out_choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text.text},
-                            "logprobs": lp, "finish_reason": deltas[-1].finish_reason})
-    return JSONResponse({**head, "object": "chat.completion", "choices": out_choices,
-                         "usage": usage(choices, [d[-1].out for d in per], body.n)})
-
-
-async def _stream_chat(rt: Runtime, body: ChatCompletionRequest, choices: list[Choice],
-                       head: dict) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk", **({"usage": None} if body.include_usage else {})}
-    finals: dict[int, Any] = {}
-    try:
-        for c in choices:
-            yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        async for d in merged(rt.front, choices):
-            lp = chat_logprobs(rt.tokens, d) if body.logprobs else None
-            if d.out.finished:
-                finals[d.index] = d.out
-            if d.text or d.finish_reason or lp:
-                delta = {"content": d.text} if d.text else {}
-                yield sse({**head, "choices": [{"index": d.index, "delta": delta, "logprobs": lp,
-                                                "finish_reason": d.finish_reason}]})
         if body.include_usage:
             yield sse({**head, "choices": [], "usage": usage(choices, [finals[c.index] for c in choices], body.n)})
     except ApiError as exc:

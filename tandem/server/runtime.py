@@ -10,6 +10,7 @@ from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.tokens import Tokens
+from tandem.server.tools.registry import DEFAULT_FORMAT
 from tandem.web.errors import ApiError
 from tandem.worker_contract import PREFILL
 
@@ -20,6 +21,7 @@ class Runtime:
     front: Front
     tokens: Tokens
     metrics: ServerMetrics
+    tool_format: str = DEFAULT_FORMAT  # the model's tool-call format (tools/registry.py)
     started: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
 

@@ -32,9 +32,9 @@ class Tokens:
             return [self.encode(p) for p in prompts]
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: [self.encode(p) for p in prompts])
 
-    async def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The templated conversation's ids, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.chat, messages)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.chat, messages, tools)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -44,11 +44,13 @@ class Tokens:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return list(prompt)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation through the model's template; `tools` in OpenAI's shape, as templates
+        that render tools expect them (a template that does not simply leaves them out)."""
         if getattr(self.tok, "chat_template", None) is None:
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may reject a conversation (roles out of order, ...)
             raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
         return list(self.tok.encode(text, add_special_tokens=False))
