@@ -18,7 +18,7 @@ class RecordingTokenizer:
         self.threads.append(threading.current_thread().name)
         return [ord(c) % 100 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool, tools=None) -> str:
         self.threads.append(threading.current_thread().name)
         return "".join(m["content"] for m in messages)
 
