@@ -32,8 +32,17 @@ class XGrammarMatcher:
         return bool(self.m.is_terminated())
 
 
+# How deep a constraint may nest (JSON levels, EBNF or regex groups). xgrammar's own bound,
+# 10,000, is deeper than a thread's C stack: an 8,000-level schema crashed the whole process
+# during the compile, and 1,000 levels already give a 27 MB grammar. 128 is twice the HTTP
+# body's depth bound (tandem/web/json_body.py), and it covers the offline Engine and raw
+# strings (SGLang's json_schema, regex, ebnf), which no body bound sees.
+MAX_NESTING = 128
+
+
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        xgr.set_max_recursion_depth(MAX_NESTING)  # process-wide; every compile is bounded by it
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_ids) or None)
         self.vocab_size = vocab_size

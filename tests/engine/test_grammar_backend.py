@@ -82,6 +82,16 @@ def test_bad_constraints_raise_grammar_error_naming_the_kind(backend: GrammarBac
         backend.compile(kind, text)
 
 
+@pytest.mark.parametrize("kind,text", [
+    ("json_schema", '{"type":"array","items":' * 8000 + '{"type":"integer"}' + "}" * 8000),
+    ("ebnf", "root ::= " + "(" * 8000 + '"a"' + ")" * 8000),
+    ("regex", "(" * 8000 + "a" + ")" * 8000)])
+def test_hostile_nesting_is_refused_not_a_crash(backend: GrammarBackend, kind: str, text: str) -> None:
+    """An 8,000-level schema once overflowed the compile thread's stack and killed the process."""
+    with pytest.raises(GrammarError, match=kind):
+        backend.compile(kind, text)
+
+
 def test_length_bounded_json_strings_hold_no_control_characters(backend: GrammarBackend, tokenizer: Any) -> None:
     """JSON forbids raw U+0000..U+001F in a string; a maxLength string once allowed them."""
     m = backend.matcher(backend.compile("json_schema", json.dumps({"type": "string", "maxLength": 4})))
