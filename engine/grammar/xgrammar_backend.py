@@ -76,18 +76,21 @@ class XGrammarBackend(GrammarBackend):
                                         vocab_size=self.vocab_size)
 
 
-# xgrammar 0.2.8 writes a length-bounded string's characters (minLength / maxLength) as this
-# class, which lets raw control characters (U+0000..U+001F) into the string: JSON forbids
-# them, and `json.loads` refuses the output. Its unbounded strings use the right class.
+# xgrammar 0.2.8 writes a string's characters as one of two classes. The length-bounded one
+# (minLength / maxLength) lets raw control characters (U+0000..U+001F) in: JSON forbids them,
+# and `json.loads` refuses the output. Both let the UTF-16 surrogates U+D800..U+DFFF in, whose
+# three-byte forms are not UTF-8: a byte-level vocabulary can spell them, and the text decodes
+# to replacement characters (one "character" to the grammar, three to the client's maxLength).
 _LOOSE_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_PLAIN_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 def json_schema_grammar(schema: str) -> str:
-    """The EBNF of a JSON schema, compact (see the module docstring), with strings that
-    never hold a raw control character."""
+    """The EBNF of a JSON schema, compact (see the module docstring), with strings of valid
+    UTF-8 that never hold a raw control character."""
     grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-    return grammar.replace(_LOOSE_CHARS, _JSON_CHARS)
+    return grammar.replace(_PLAIN_CHARS, _JSON_CHARS).replace(_LOOSE_CHARS, _JSON_CHARS)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -101,6 +101,26 @@ def test_length_bounded_json_strings_hold_no_control_characters(backend: Grammar
     assert allowed and not [t for t in allowed if any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
 
 
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 8}])
+def test_json_strings_are_valid_utf8(backend: GrammarBackend, tokenizer: Any, schema: dict[str, Any]) -> None:
+    """The tiny model's vocabulary holds every single byte, so it can spell ED A0 80, the
+    three-byte form of the surrogate U+D800: not UTF-8, and it decodes to three replacement
+    characters. xgrammar's string class allowed it, and a maxLength 8 string came out 10 long."""
+    def spells(bs: bytes) -> bool:
+        m = backend.matcher(backend.compile("json_schema", json.dumps(schema)))
+        return all(m.accept(_byte_id(tokenizer, b)) for b in b'"' + bs)
+
+    assert spells("€😀".encode())
+    assert not spells(b"\xed\xa0\x80") and not spells(b"\xed\xbf\xbf")
+
+
+def _byte_id(tokenizer: Any, byte: int) -> int:
+    """The id of the single-byte token (byte-level BPE writes byte b as one printable char)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return tokenizer.convert_tokens_to_ids(bytes_to_unicode()[byte])
+
+
 def test_the_queue_caches_grammars_and_failures(tokenizer: Any) -> None:
     q = GrammarQueue("xgrammar", lambda: tokenizer, VOCAB, [tokenizer.eos_token_id], timeout=30)
     key = ("regex", "[ab]+")
