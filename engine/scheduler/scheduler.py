@@ -3,23 +3,17 @@
     normal loop:   recv -> schedule N -> run N -> process N
     overlap loop:  recv -> schedule N -> launch N -> process N-1 -> (N in flight)
 
-The overlap loop follows SGLang's overlap scheduler: while the forward
-thread computes batch N, this thread processes N-1's results and builds N+1
-(whose decode inputs are N's futures). Two consecutive prefills do not
-overlap, so the first prefill's tokens reach the client before the second runs.
+The two loops stand side by side in event_loops.py; this module is what they drive:
+receiving, batch construction, running and processing a batch, idleness.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import time
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
-
-import torch
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
@@ -32,7 +26,8 @@ from tandem.engine.scheduler import admin
 from tandem.engine.scheduler.batch_faults import BatchFaults
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
-from tandem.engine.scheduler.grammar_manager import GrammarManager, fill_or_fail
+from tandem.engine.scheduler.event_loops import event_loop_normal, event_loop_overlap
+from tandem.engine.scheduler.grammar_manager import GrammarManager
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
 from tandem.engine.scheduler.prefill_manager import PrefillManager
@@ -251,79 +246,16 @@ class Scheduler:
     def only_waiting(self) -> bool:
         """Nothing to compute now, but requests wait on something else: their grammar's
         compile, or (in a role part) their KV in flight."""
-        return not (self.prefill.runnable() or self.decode.runnable()) and (
-            bool(self.grammar.waiting) or (self.part is not None and self.part.busy()))
-
-    def event_loop_normal(self) -> None:
-        while self.running:
-            self.process_input_requests(self.recv_requests(block=self.idle()))
-            t0 = time.perf_counter()
-            batch = self.faults.build(self.get_next_batch_to_run)
-            t1 = time.perf_counter()
-            if batch is not None:
-                with self.faults.contain(batch.reqs):
-                    result = self.run_batch(batch)
-                    t2 = time.perf_counter()
-                    self.process_batch_result(batch, result)
-                    batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
-                    self.metrics.on_overhead(batch, (t1 - t0) + (time.perf_counter() - t2))
-            else:
-                self.self_check_during_idle()
-            self.last_batch = batch
-
-    def event_loop_overlap(self) -> None:
-        assert self.overlap is not None
-        in_flight: deque[tuple[ScheduleBatch, Any]] = deque()
-
-        def pop_and_process() -> None:
-            done_batch, fut = in_flight.popleft()
-            with self.faults.contain(done_batch.reqs):
-                result = fut.result()  # the forward's exception, if it raised
-                t = time.perf_counter()
-                self.process_batch_result(done_batch, result)
-                self.metrics.on_overhead(done_batch, time.perf_counter() - t)
-
-        while self.running:
-            self.process_input_requests(self.recv_requests(block=self.idle() and not in_flight))
-            t = time.perf_counter()
-            batch = self.faults.build(self.get_next_batch_to_run)
-            self.metrics.on_overhead(batch, time.perf_counter() - t)
-            consecutive_prefill = (
-                batch is not None and batch.mode.is_extend()
-                and self.last_batch is not None and self.last_batch.mode.is_extend()
-            )
-            # Snapshot the batch before processing N-1: that may finish (abort) one of its
-            # requests, and the batch must still run as scheduled.
-            mwb = self.faults.build(batch.get_model_worker_batch) if batch is not None else None
-            batch = batch if mwb is not None else None
-            if consecutive_prefill and in_flight:
-                pop_and_process()
-            mask = None
-            if batch is not None:
-                with self.faults.contain(batch.reqs):
-                    self.record_step(batch)
-                    mask = self.grammar.attach_mask(batch.reqs, mwb)
-                    fut, future_ids = self.overlap.launch(mwb)
-                    batch.output_ids = future_ids  # the next decode step feeds these in
-                    in_flight.append((batch.snapshot(), fut))
-            try:
-                if in_flight and (len(in_flight) > 1 or batch is None):
-                    pop_and_process()
-                elif batch is None and not in_flight:
-                    self.self_check_during_idle()
-            finally:
-                if mask is not None:  # only N is in flight now: every matcher is current
-                    fill_or_fail(mask)
-            self.last_batch = batch
-        while in_flight:
-            pop_and_process()
+        # The cheap tests first: this runs every loop iteration that does not block.
+        return (self.grammar.waiting or (self.part is not None and self.part.busy())) and not (
+            self.prefill.runnable() or self.decode.runnable())
 
     def run(self) -> None:
         try:
             if self.overlap is not None:
-                self.event_loop_overlap()
+                event_loop_overlap(self)
             else:
-                self.event_loop_normal()
+                event_loop_normal(self)
         finally:
             self.grammar.shutdown()
             if self.overlap is not None:
