@@ -2,9 +2,8 @@
 a random-weight model, and the tokens are the same in every scheduling mode (the overlap
 loop samples batch N only after N-1's tokens advanced the matchers: engine/grammar/).
 
-The schemas are generated: objects, arrays, enums, bounded strings and integers, nested.
-Strings and arrays carry maxLength / maxItems so that a model that prefers no token in
-particular still closes every value within the token budget.
+The schemas are generated (tests/support/json_schemas.py): objects, arrays, enums, bounded
+strings and integers, nested, each closing within the token budget.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ import json
 import re
 from typing import Any
 
-import jsonschema
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from json_schemas import TOP, assert_valid
 
 MAX_NEW = 256
 BASE = dict(max_total_tokens=4096, max_running_requests=16)
@@ -30,35 +29,7 @@ SCENARIOS = {
     "retract": dict(disable_overlap_schedule=False, max_total_tokens=448, page_size=4,
                     init_new_token_ratio=0.02, min_new_token_ratio_factor=1.0),
 }
-NAMES = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)
-LEAVES = st.one_of(
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 12)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-1000, 1000), st.integers(0, 5000)),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.builds(lambda xs: {"enum": xs}, st.lists(st.one_of(NAMES, st.integers(-9, 99), st.booleans()),
-                                               min_size=1, max_size=4, unique=True)),
-)
-
-
-def _object(children: st.SearchStrategy) -> st.SearchStrategy:
-    def build(props: dict[str, Any], required_mask: list[bool]) -> dict[str, Any]:
-        names = list(props)
-        return {"type": "object", "properties": props, "additionalProperties": False,
-                "required": [n for n, r in zip(names, required_mask) if r]}
-
-    return st.dictionaries(NAMES, children, min_size=1, max_size=4).flatmap(
-        lambda props: st.builds(build, st.just(props), st.lists(st.booleans(), min_size=len(props),
-                                                                   max_size=len(props))))
-
-
-def _array(children: st.SearchStrategy) -> st.SearchStrategy:
-    return st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, children, st.integers(0, 3))
-
-
-SCHEMAS = st.recursive(LEAVES, lambda c: st.one_of(_object(c), _array(c)), max_leaves=8)
-TOP = _object(SCHEMAS)  # a top-level object, as response_format json_schema asks for
+EXTRA = {"dp2": dict(disable_overlap_schedule=False, dp_size=2, load_balance_method="round_robin")}
 
 
 def _generate(eng: Any, prompts: list[str], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -68,10 +39,7 @@ def _generate(eng: Any, prompts: list[str], params: list[dict[str, Any]]) -> lis
 def _check(outs: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> None:
     for out, schema in zip(outs, schemas):
         assert out["finish_reason"] == "stop", (out, schema)
-        try:
-            jsonschema.validate(json.loads(out["text"]), schema)
-        except (ValueError, jsonschema.ValidationError) as exc:
-            raise AssertionError(f"{out['text']!r} against {json.dumps(schema)}: {exc}") from exc
+        assert_valid(out["text"], schema)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +53,7 @@ def engines(model_path: Any) -> Any:
 
     def get(name: str) -> Any:
         if name not in built:
-            built[name] = Engine(str(model_path("tiny")), dtype="float32", **{**BASE, **SCENARIOS[name]})
+            built[name] = Engine(str(model_path("tiny")), dtype="float32", **{**BASE, **{**SCENARIOS, **EXTRA}[name]})
         return built[name]
 
     yield get
@@ -114,6 +82,21 @@ def test_generated_schemas_always_validate_and_match_across_modes(engines: Any, 
         if name != "normal":
             outs = _generate(engines(name), prompts, params)
             assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in reference], name
+
+
+# Data parallel: each request goes to one of two scheduler processes, which compiles its own
+# grammar; a request's tokens depend on its seed, never on its rank or its batch.
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schemas=st.lists(TOP, min_size=2, max_size=4))
+def test_data_parallel_ranks_give_the_single_scheduler_tokens(engines: Any, schemas: list[dict[str, Any]]) -> None:
+    prompts = [f"rank test {i}" for i in range(len(schemas))]
+    params = [{"max_new_tokens": MAX_NEW, "temperature": 0.8, "seed": 11 + i, "json_schema": json.dumps(s)}
+              for i, s in enumerate(schemas)]
+    reference = _generate(engines("normal"), prompts, params)
+    outs = _generate(engines("dp2"), prompts, params)
+    _check(outs, schemas)
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in reference]
 
 
 @pytest.mark.parametrize("mode", ["normal", "overlap"])

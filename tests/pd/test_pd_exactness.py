@@ -8,6 +8,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from json_schemas import TOP, assert_valid
 from pd_client import pd_generate, pd_post, pd_stats
 from worker_process import Worker
 
@@ -149,3 +152,24 @@ def test_constrained_outputs_match_colocated(stack) -> None:
             jsonschema.validate(json.loads(got["text"]), schema)
         else:
             assert re.fullmatch(regex, got["text"]), got["text"]
+
+
+# Generated schemas through PD, several in flight at once (prefill batches their first tokens,
+# decode their matchers): every answer validates and equals colocated serving's tokens.
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schemas=st.lists(TOP, min_size=1, max_size=4), temperature=st.sampled_from([0.0, 0.8]))
+def test_generated_schemas_through_pd_validate_and_match_colocated(stack, schemas, temperature) -> None:
+    import json
+
+    pre, dec, col, _ = stack
+    bodies = [{"text": f"structured item {i} " * (1 + 3 * i), "sampling_params": {
+        "max_new_tokens": 256, "temperature": temperature, "seed": 21 + i, "json_schema": json.dumps(s)}}
+        for i, s in enumerate(schemas)]
+    with cf.ThreadPoolExecutor(len(bodies)) as ex:
+        got = list(ex.map(lambda b: pd_generate(pre, dec, b), bodies))
+    for out, schema in zip(got, schemas):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert_valid(out["text"], schema)
+    assert [g["output_ids"] for g in got] == \
+        [_colocated(col, b["text"], b["sampling_params"])["output_ids"] for b in bodies]
