@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from tandem.protocol import limits as L
 from tandem.protocol.body import Body
+from tandem.protocol.bootstrap import Bootstrap
 from tandem.protocol.schema_check import CONSTRAINT_KINDS, check_schema_string
 
 # Prompt ids are checked against the vocabulary by the front, with a clearer message than a
@@ -65,21 +66,7 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Bootstrap(Body):
-    """PD routing (SGLang's fields): the router sends the same body to a prefill and a
-    decode worker; the room names the request on both. Job i of a batch or of `n`
-    choices is room + i on both sides."""
-
-    bootstrap_host: str | None = Field(default=None, max_length=255)
-    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
-    bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
-
-    def bootstrap(self) -> dict[str, Any]:
-        return {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": self.bootstrap_room}
-
-
-class SamplingFields(_Bootstrap):
+class SamplingFields(Bootstrap):
     """What completions and chat share."""
 
     model: str
@@ -208,7 +195,7 @@ class GenerateSampling(BaseModel):
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)
 
 
-class GenerateRequest(_Bootstrap):
+class GenerateRequest(Bootstrap):
     """SGLang's native /generate (what sgl-router forwards to a worker)."""
 
     text: str | list[str] | None = None

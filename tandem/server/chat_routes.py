@@ -43,13 +43,13 @@ def chat_logprobs(tokens: Tokens, d: Delta) -> dict[str, Any]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    bootstrap = rt.check_bootstrap(body)
+    rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
     ids = await rt.tokens.chat_ids(body.template_messages(), body.template_tools())
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
     choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],
-                           skip_special_tokens=body.skip_special_tokens, **bootstrap)
+                           skip_special_tokens=body.skip_special_tokens, bootstrap=body)
     parsers = [assistant_parser(body, rt.tool_format, rt.config.reasoning_parser) for _ in choices]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.config.served_model_name}
     if body.stream:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.detokenizer import TextStream
+from tandem.protocol.bootstrap import Bootstrap
 from tandem.protocol.messages import ReqOutput
 from tandem.server.front import Front, Stream
 from tandem.server.tokens import Tokens
@@ -44,18 +45,22 @@ class Choice:
 
 
 def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[str, Any]]],
-                 rid: str | None = None, skip_special_tokens: bool = True, **bootstrap: Any) -> list[Choice]:
+                 rid: str | None = None, skip_special_tokens: bool = True,
+                 bootstrap: Bootstrap | None = None) -> list[Choice]:
     """Admit every (input_ids, sampling) job or none: a refusal closes those already opened.
     A caller's `rid` names a single job (batches are known by the front's ids only); it is
     the client's name for it, never the schedulers' key (front.py). Special tokens (a chat
-    model's end-of-turn marker, ...) stay out of the text unless `skip_special_tokens` is false."""
+    model's end-of-turn marker, ...) stay out of the text unless `skip_special_tokens` is false.
+    `bootstrap` gives each job its PD room (protocol/bootstrap.py)."""
     choices: list[Choice] = []
     try:
-        for i, (ids, sp) in enumerate(jobs):
+        rooms = bootstrap.job_bootstraps(len(jobs)) if bootstrap is not None else [{}] * len(jobs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="bootstrap_room") from None
+    try:
+        for i, ((ids, sp), room) in enumerate(zip(jobs, rooms)):
             stops = sp.get("stop") or ()
-            room = bootstrap.get("bootstrap_room")
-            job_bootstrap = {**bootstrap, "bootstrap_room": None if room is None else (room + i) % 2**63}
-            stream = front.open(ids, sp, client_rid=rid if len(jobs) == 1 else None, **job_bootstrap)
+            stream = front.open(ids, sp, client_rid=rid if len(jobs) == 1 else None, **room)
             stop_strings = (stops,) if isinstance(stops, str) else tuple(stops)
             choices.append(Choice(i, stream, TextStream(tokens.tok, stop_strings, skip_special_tokens), len(ids)))
     except BaseException:

@@ -60,7 +60,7 @@ def _meta(c: Choice, deltas: list[Delta], t0: float, logprob: bool) -> dict[str,
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    bootstrap = rt.check_bootstrap(body)
+    rt.check_bootstrap(body)
     t0 = time.monotonic()
     sp = body.sampling_params.engine_kwargs()
     if body.return_logprob or body.top_logprobs_num:
@@ -70,7 +70,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         rt.tokens.max_new_tokens(len(ids), sp["max_new_tokens"])
         jobs.append((ids, sp))
     choices = open_choices(rt.front, rt.tokens, jobs, rid=body.rid,
-                           skip_special_tokens=body.sampling_params.skip_special_tokens, **bootstrap)
+                           skip_special_tokens=body.sampling_params.skip_special_tokens, bootstrap=body)
     logprob = bool(body.return_logprob or body.top_logprobs_num)
     if body.stream:
         if body.sampling_params.constraint is not None:  # one that does not compile: a 400, not an error event

@@ -54,7 +54,7 @@ def completion_logprobs(tokens: Tokens, d: Delta, offset: int) -> dict[str, Any]
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
-    bootstrap = rt.check_bootstrap(body)
+    rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
     jobs, echoes = [], []
     prompts = body.prompts()
@@ -64,7 +64,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         for i in range(body.n):
             jobs.append((ids, body.sampling(budget, i, body.logprobs)))
             echoes.append(echo)
-    choices = open_choices(rt.front, rt.tokens, jobs, skip_special_tokens=body.skip_special_tokens, **bootstrap)
+    choices = open_choices(rt.front, rt.tokens, jobs, skip_special_tokens=body.skip_special_tokens, bootstrap=body)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": rt.config.served_model_name}
     if body.stream:

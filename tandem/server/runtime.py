@@ -25,9 +25,8 @@ class Runtime:
     started: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
 
-    def check_bootstrap(self, body: Any) -> dict[str, Any]:
-        """The request's PD fields; a prefill worker serves only disaggregated requests."""
+    def check_bootstrap(self, body: Any) -> None:
+        """A prefill worker serves only disaggregated requests."""
         if self.config.role == PREFILL and body.bootstrap_room is None:
             raise ApiError(400, "a prefill worker serves only disaggregated requests: send it through a PD "
                                 "router (bootstrap_room is missing)", param="bootstrap_room")
-        return body.bootstrap()

@@ -117,3 +117,54 @@ def test_prefill_serves_on_after_a_fuzz_campaign(stack) -> None:
     finally:
         ctx.term()
     assert _pd(pre)["control_dropped"] >= len(KILLERS)
+
+
+def _batch(pre: Worker, texts: list[str], **fields) -> dict:
+    body = {"text": texts, "sampling_params": SP, "bootstrap_host": ["127.0.0.1"] * len(texts),
+            "bootstrap_port": [pre.bootstrap] * len(texts), **fields}
+    return body
+
+
+def test_one_room_per_job_as_sgl_router_sends_it(stack) -> None:
+    """sgl-router names each job of a batch (or of n choices) with its own room, in lists."""
+    import concurrent.futures as cf
+
+    pre, dec, _ = stack
+    texts = [f"job {i} of the batch, long enough to be disaggregated " * 4 for i in range(3)]
+    body = _batch(pre, texts, bootstrap_room=[random.randrange(2**63) for _ in texts])
+    before = _pd(dec)["transferred"]
+    with cf.ThreadPoolExecutor(2) as ex:
+        p, d = ex.submit(pre.post, "/generate", body), ex.submit(dec.post, "/generate", body)
+    assert p.result().status_code == 200 and d.result().status_code == 200, (p.result().text, d.result().text)
+    assert _pd(dec)["transferred"] - before == len(texts)  # each job's KV came from the prefill
+    singles = [pd_generate(pre, dec, {"text": t, "sampling_params": SP})["output_ids"] for t in texts]
+    assert [o["output_ids"] for o in d.result().json()] == singles
+
+
+@pytest.mark.parametrize("fields", [
+    {"bootstrap_room": [1, 2]},  # two rooms for three jobs
+    {"bootstrap_room": 5, "bootstrap_port": [1, 2, 3, 4]},
+    {"bootstrap_room": list(range(5000))},  # past the bound on any list
+])
+def test_per_job_lists_of_the_wrong_length_are_400s(stack, fields) -> None:
+    pre, dec, _ = stack
+    body = _batch(pre, ["a", "b", "c"], **fields)
+    for w in (pre, dec):
+        r = w.post("/generate", body)
+        assert r.status_code == 400 and "bootstrap" in r.text, r.text
+
+
+def test_a_room_named_twice_in_one_request_fails_it_and_nothing_leaks(stack) -> None:
+    """Two jobs claiming one room would pair one prefill's KV with two decodes: both sides
+    refuse the request with a 400 before any job starts (the pools fixture checks the rest)."""
+    import concurrent.futures as cf
+
+    pre, dec, _ = stack
+    room = random.randrange(2**63)
+    body = _batch(pre, [f"twin {i} long enough to be disaggregated " * 4 for i in range(2)],
+                  bootstrap_room=[room, room])
+    with cf.ThreadPoolExecutor(2) as ex:
+        p, d = ex.submit(pre.post, "/generate", body), ex.submit(dec.post, "/generate", body)
+    for r in (p.result(), d.result()):
+        assert r.status_code == 400, r.text
+        assert "bootstrap_room" in r.text and "twice" in r.text

@@ -1,7 +1,6 @@
 """Structured outputs and tool calls end to end: `tandem serve` on the tiny model (random
 weights, so only the engine's constraint makes its output valid) and the official `openai`
-client. Schemas are bounded (short strings, enums, no extra properties) so that a constrained
-answer finishes well within max_tokens.
+client. The checks shared with the routers' tests are in tests/support/structured_checks.py.
 
 The constrained cases hold only with the engine's grammar enforcement (engine/grammar/): without
 it the tiny model writes noise, and they fail."""
@@ -9,29 +8,21 @@ it the tiny model writes noise, and they fail."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
-import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from structured_checks import (
+    KW,
+    TOOLS,
+    WEATHER,
+    calls,
+    check_calls,
+    check_n_choices_each_valid,
+    check_parse,
+    check_required_tools,
+    check_streamed_calls_equal_whole,
+)
 from worker_process import Worker
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
-    "additionalProperties": False}}}
-TOOLS = [WEATHER, CLOCK]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-USER = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
-KW = dict(model="tiny", messages=USER, max_tokens=200, temperature=0, seed=7)
-
-
-class Answer(BaseModel):
-    ok: bool
-    color: Literal["red", "green", "blue"]
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +33,12 @@ def worker(model_path):
         assert w.pool()["whole"], w.output()
 
 
-def _calls(message) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
-
-
-def _check_calls(calls: list[tuple[str, dict]]) -> None:
-    assert calls
-    for name, args in calls:
-        jsonschema.validate(args, SCHEMAS[name])
-
-
 def test_parse_returns_the_pydantic_object(client) -> None:
-    r = client.chat.completions.parse(response_format=Answer, **KW)
-    assert isinstance(r.choices[0].message.parsed, Answer), r.choices[0].message.content
+    check_parse(client)
+
+
+def test_n_choices_each_satisfy_the_schema(client) -> None:
+    check_n_choices_each_valid(client)
 
 
 def test_json_object_is_a_json_object(client) -> None:
@@ -67,9 +51,7 @@ def test_json_object_is_a_json_object(client) -> None:
 
 
 def test_required_returns_calls_that_fit_their_schemas(client) -> None:
-    r = client.chat.completions.create(tools=TOOLS, tool_choice="required", **KW)
-    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
-    _check_calls(_calls(r.choices[0].message))
+    check_required_tools(client)
     one = client.chat.completions.create(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, **KW)
     assert len(one.choices[0].message.tool_calls) == 1
 
@@ -77,19 +59,14 @@ def test_required_returns_calls_that_fit_their_schemas(client) -> None:
 def test_a_named_function_is_called_with_valid_arguments(client) -> None:
     r = client.chat.completions.create(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
                                        **KW)
-    calls = _calls(r.choices[0].message)
-    assert [name for name, _ in calls] == ["get_time"]
-    _check_calls(calls)
+    found = calls(r.choices[0].message)
+    assert [name for name, _ in found] == ["get_time"]
+    check_calls(found)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_calls_accumulate_to_the_non_streamed_ones(client, choice) -> None:
-    whole = client.chat.completions.create(tools=TOOLS, tool_choice=choice, **KW)
-    with client.chat.completions.stream(tools=TOOLS, tool_choice=choice, **KW) as stream:
-        streamed = stream.get_final_completion()
-    assert _calls(streamed.choices[0].message) == _calls(whole.choices[0].message)
-    assert streamed.choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
-    _check_calls(_calls(whole.choices[0].message))
+    check_streamed_calls_equal_whole(client, choice)
 
 
 def test_sglang_regex_on_completions(client) -> None:
