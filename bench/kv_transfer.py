@@ -1,15 +1,18 @@
-"""KV transfer bandwidth between two processes (NIXL WRITE over UCX, CPU memory) against
-a same-machine memcpy of the same bytes, alternating round by round.
+"""KV transfer bandwidth between two processes (NIXL WRITE over UCX) against a copy of the
+same bytes inside one process, alternating round by round: on CPU memory against memcpy, on
+a GPU (`--device cuda`, both processes on one GPU, VRAM to VRAM) against a device-to-device copy.
 
     python bench/kv_transfer.py --rounds 7                  # 4096-token prompts
     python bench/kv_transfer.py --tokens 1024 --scattered   # 1k tokens, pages scattered
+    python bench/kv_transfer.py --device cuda               # -> docs/results/kv_transfer_cuda.json
 
 The KV layout is the `small` model's (12 layers, 4 KV heads, head_dim 64, bf16) with
 page size 16. One send moves a whole prompt: every layer's K and V of tokens/16 pages,
 consecutive (as a fresh allocation usually is) or scattered (`--scattered`). The baseline
-copies the same number of bytes between two tensors of this process: `memcpy` on one
+copies the same number of bytes between two tensors of this process: on CPU `memcpy` on one
 thread (what memcpy(3) does, and what NIXL's one UCX worker competes with), and torch's
-copy on all threads (2 here) for reference. Result: docs/results/kv_transfer.json.
+copy on all threads (2 here) for reference; on CUDA one `copy_` between two device tensors,
+synchronised, for both columns. Result: docs/results/kv_transfer[_scattered][_cuda].json.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from tandem.pd.transfer.nixl_agent import NixlTransfer
 from tandem.protocol.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPE = dict(page_size=16, num_layers=12, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16, device="cpu")
+SHAPE = dict(page_size=16, num_layers=12, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
 
 
-def _receiver(conn, num_pages: int) -> None:
-    dst = TokenToKVPool(num_pages=num_pages, **SHAPE)
+def _receiver(conn, num_pages: int, device: str) -> None:
+    dst = TokenToKVPool(num_pages=num_pages, device=device, **SHAPE)
     t = NixlTransfer("bench-decode")
     conn.send((t.register(dst.layout()), dst.layout().to_dict()))
     peer_meta, peer_layout = conn.recv()
@@ -54,14 +57,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sends", type=int, default=20, help="sends per round (one prompt each)")
     p.add_argument("--scattered", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    cuda = args.device == "cuda"
     n = args.tokens // SHAPE["page_size"]
     num_pages = 8 * n + 1
-    src = TokenToKVPool(num_pages=num_pages, **SHAPE)
+    src = TokenToKVPool(num_pages=num_pages, device=args.device, **SHAPE)
     src.kv_buffer.normal_()
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(there, num_pages))
+    proc = ctx.Process(target=_receiver, args=(there, num_pages, args.device))
     proc.start()
     t = NixlTransfer("bench-prefill", timeout=120)
     meta = t.register(src.layout())
@@ -71,7 +76,7 @@ def main() -> None:
     rng = random.Random(0)
     layout = src.layout()
     nbytes = n * layout.page_bytes * 2 * layout.num_layers
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16)
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     b = torch.empty_like(a)
     a.normal_()
 
@@ -98,6 +103,8 @@ def main() -> None:
             t0 = time.perf_counter()
             for _ in range(args.sends):
                 b.copy_(a)
+                if cuda:  # one send is waited for before the next, as NIXL's are
+                    torch.cuda.synchronize()
             return args.sends * nbytes / (time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
@@ -115,13 +122,15 @@ def main() -> None:
         here.send("stop")
         t.close()
         proc.join(30)
-    result = {"tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered,
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+              "tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered,
               "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0], "rounds": rows,
               "median_ratio": statistics.median(r["ratio"] for r in rows),
               "median_ratio_all_threads": statistics.median(r["ratio_all_threads"] for r in rows)}
-    out = ROOT / f"docs/results/kv_transfer{'_scattered' if args.scattered else ''}.json"
+    out = ROOT / f"docs/results/kv_transfer{'_scattered' if args.scattered else ''}{'_cuda' if cuda else ''}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"NIXL / memcpy bandwidth, median of {args.rounds} rounds: {result['median_ratio']:.2f} "
+    base = "device copy" if cuda else "memcpy"
+    print(f"NIXL / {base} bandwidth, median of {args.rounds} rounds: {result['median_ratio']:.2f} "
           f"(vs torch's {all_threads}-thread copy: {result['median_ratio_all_threads']:.2f}) -> {out}")
 
 

@@ -21,6 +21,12 @@ from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.protocol.kv_layout import KVLayout
 
 
+def memory_of(t: torch.Tensor) -> dict[str, str | int]:
+    """NIXL's description of where `t` lives: host memory, or GPU memory on its device."""
+    device = t.get_device()  # -1 on the host, the CUDA ordinal on a GPU (as nixl's own helper reads it)
+    return {"mem_type": "DRAM", "device_id": 0} if device < 0 else {"mem_type": "VRAM", "device_id": device}
+
+
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask Linux for transparent huge pages under a CPU tensor (THP in `madvise` mode, the
     usual default). A KV transfer between processes runs through the kernel (UCX's CMA,
@@ -95,7 +101,7 @@ class TokenToKVPool:
         return KVLayout(num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                         dtype=str(self.dtype).removeprefix("torch."), itemsize=self.kv_buffer.element_size(),
                         page_size=self.page_size, num_pages=num_slots // self.page_size,
-                        base_ptr=self.kv_buffer.data_ptr())
+                        base_ptr=self.kv_buffer.data_ptr(), **memory_of(self.kv_buffer))
 
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of K (or V) in one layer: the unit a transfer moves."""

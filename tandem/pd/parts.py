@@ -89,6 +89,6 @@ def transfer_parts(sched: Scheduler, model_path: str, role: str) -> TransferPart
     secret = os.environ.get(ENV_PD_SECRET) or None
     channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
     layout = sched.runner.kv_pool.layout()
-    slots = FirstTokenSlots(cfg.max_running_requests)
+    slots = FirstTokenSlots(cfg.max_running_requests, device=sched.runner.kv_pool.kv_buffer.device)
     meta = transfer.register(layout, slots.region())
     return TransferParts(transfer, channel, identity_of(sched.runner, model_path), layout, slots, meta)

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.pd.schema import BadMessage as BadMessage
-from tandem.pd.schema import Spec, boolean, int_list, record, text, uint
+from tandem.pd.schema import Spec, boolean, int_list, one_of, record, text, uint
 
-PD_VERSION = 1
+PD_VERSION = 2  # 2: the layout says where the KV lives (mem_type, device_id)
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -134,7 +134,8 @@ _IDENTITY = record({"version": _count, "model_id": text(MAX_NAME), "dtype": text
                     "num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive}, may_be_empty=True)
 _LAYOUT = record({"num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive, "dtype": text(32),
                   "itemsize": _positive, "page_size": _positive, "num_pages": _positive,
-                  "base_ptr": uint(ADDR_LIMIT)}, may_be_empty=True)
+                  "base_ptr": uint(ADDR_LIMIT), "mem_type": one_of("DRAM", "VRAM"), "device_id": _count},
+                 may_be_empty=True)
 _META = record({"addr": uint(ADDR_LIMIT), "slot_bytes": _positive, "slots": _positive}, may_be_empty=True)
 _HALF = {"identity": _IDENTITY, "layout": _LAYOUT, "agent": text(MAX_AGENT), "meta": _META}  # describe()
 _ROOM, _NAME, _TEXT = uint(ROOM_LIMIT), text(MAX_NAME), text(MAX_TEXT)

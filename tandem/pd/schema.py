@@ -41,6 +41,17 @@ def text(max_len: int) -> Spec:
     return check
 
 
+def one_of(*values: str) -> Spec:
+    """One of a few known strings."""
+
+    def check(v: Any, path: str) -> str:
+        if type(v) is not str or v not in values:
+            raise BadMessage(f"{path}: one of {', '.join(values)} expected")
+        return v
+
+    return check
+
+
 def boolean(v: Any, path: str) -> bool:
     if type(v) is not bool:
         raise BadMessage(f"{path}: a boolean expected, got {type(v).__name__}")

@@ -46,7 +46,7 @@ class Bootstrap(Body):
         room = self.bootstrap_room
         rooms = (_per_job("bootstrap_room", room, jobs) if isinstance(room, list) or room is None
                  else [(room + i) % ROOM_SPACE for i in range(jobs)])
-        if len(set(rooms)) != len(rooms):
+        if room is not None and len(set(rooms)) != len(rooms):
             raise ValueError("bootstrap_room names a room twice; each job needs its own")
         return [{"bootstrap_host": h, "bootstrap_port": p, "bootstrap_room": r}
                 for h, p, r in zip(hosts, ports, rooms)]

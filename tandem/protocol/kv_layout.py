@@ -8,8 +8,12 @@ so a page of one layer's K (or V) is `page_bytes` contiguous bytes at
 
     base_ptr + layer * layer_stride + kv * kv_stride + page * page_bytes
 
+The buffer lives in host memory ("DRAM", device_id 0) or on a GPU ("VRAM", device_id = the
+CUDA ordinal in the owner's process): a transfer agent registers it, and describes the peer's
+pages, with the owner's memory type and device, never its own.
+
 Prefill and decode exchange their layouts in the PD handshake: two workers can move
-pages between them only if `mismatch()` finds nothing (the page counts may differ).
+pages between them only if `mismatch()` finds nothing (the page counts and devices may differ).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class KVLayout:
     page_size: int  # tokens per page
     num_pages: int  # page 0 included (reserved: the pad target)
     base_ptr: int  # address of the buffer's first byte
+    mem_type: str = "DRAM"  # NIXL's memory type: "DRAM" (host) or "VRAM" (GPU)
+    device_id: int = 0  # the GPU's ordinal in the owner's process; 0 for DRAM
 
     @property
     def slot_bytes(self) -> int:
@@ -56,8 +62,11 @@ class KVLayout:
         return self.base_ptr + layer * self.layer_stride + kv * self.kv_stride + page * self.page_bytes
 
     def mismatch(self, other: KVLayout) -> list[str]:
-        """What stops pages of `self` from being written into `other` as they are."""
-        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
+        """What stops pages of `self` from being written into `other` as they are. Memory types
+        must match: host-to-GPU needs a UCX built with CUDA on both ends and crosses PCIe per
+        page, no deployment of ours pairs them, and a pair that passed here would fail every
+        transfer instead of its handshake."""
+        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "mem_type")
         return [f"{k}: {getattr(self, k)} != {getattr(other, k)}"
                 for k in keys if getattr(self, k) != getattr(other, k)]
 

@@ -5,6 +5,7 @@ between two processes (the real NIXL/UCX path, on CPU memory)."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 from waits import wait_until
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.pd.protocol import MetaRegion
 from tandem.pd.transfer.contract import Events
+from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.pd.transfer.pages import descriptors, page_runs
 
 nixl_agent = pytest.importorskip("tandem.pd.transfer.nixl_agent")
@@ -25,8 +28,8 @@ IMPLEMENTATIONS = {"nixl": nixl_agent.NixlTransfer}
 SHAPE = dict(page_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 
 
-def pool(num_pages: int = 16, dtype: torch.dtype = torch.bfloat16, **kw: int) -> TokenToKVPool:
-    pool = TokenToKVPool(num_pages=num_pages, dtype=dtype, device="cpu", **{**SHAPE, **kw})
+def pool(num_pages: int = 16, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", **kw: int) -> TokenToKVPool:
+    pool = TokenToKVPool(num_pages=num_pages, dtype=dtype, device=device, **{**SHAPE, **kw})
     pool.kv_buffer.zero_()
     return pool
 
@@ -128,49 +131,112 @@ def test_first_token_slot_lands_with_the_last_pages(impl) -> None:
         b.close()
 
 
-def _decode_side(conn, src_layout_dict: dict) -> None:
+def _decode_side(conn, src_layout_dict: dict, device: str) -> None:
     from tandem.protocol.kv_layout import KVLayout
 
-    dst = pool(num_pages=40)
+    dst = pool(num_pages=40, device=device)
+    slots = FirstTokenSlots(4, device=device)
     t = nixl_agent.NixlTransfer("decode-proc")
-    conn.send((t.register(dst.layout()), dst.layout().to_dict()))
-    peer_meta = conn.recv()
-    t.add_peer(peer_meta, KVLayout(**src_layout_dict))
+    conn.send((t.register(dst.layout(), slots.region()), dst.layout().to_dict(), slots.region()))
+    peer_meta, peer_slots = conn.recv()
+    t.add_peer(peer_meta, KVLayout(**src_layout_dict), peer_slots)
     got = wait(t, lambda e: e.received, timeout=30)
     conn.send((got.received, pages(dst, [20, 21, 22, 5]).float().sum().item(),
-               int(torch.count_nonzero(dst.kv_buffer))))
+               int(torch.count_nonzero(dst.kv_buffer)), slots.read(3)))
     t.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_between_two_processes(impl) -> None:
+def test_between_two_processes(impl, device: str) -> None:
+    """Pages and a first-token slot in one send, on host memory or VRAM to VRAM on one GPU."""
     from tandem.protocol.kv_layout import KVLayout
 
-    src = pool()
+    src = pool(device=device)
     src.kv_buffer.copy_(torch.rand_like(src.kv_buffer, dtype=torch.float32) + 1)  # no zeros
+    slots = FirstTokenSlots(4, device=device)
+    slots.write(1, 4242, -0.5, [(4242, -0.5), (7, -2.25)])
+    assert src.layout().mem_type == ("VRAM" if device == "cuda" else "DRAM")
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_decode_side, args=(there, src.layout().to_dict()))
+    proc = ctx.Process(target=_decode_side, args=(there, src.layout().to_dict(), device))
     proc.start()
     t = IMPLEMENTATIONS[impl]("prefill-proc")
     try:
-        meta = t.register(src.layout())
-        peer_meta, peer_layout = here.recv()
-        peer = t.add_peer(peer_meta, KVLayout(**peer_layout))
-        here.send(meta)
-        t.send(peer, "r7", [1, 2, 3, 9], [20, 21, 22, 5], b"r7")
+        meta = t.register(src.layout(), slots.region())
+        peer_meta, peer_layout, peer_slots = here.recv()
+        peer = t.add_peer(peer_meta, KVLayout(**peer_layout), peer_slots)
+        here.send((meta, slots.region()))
+        t.send(peer, "r7", [1, 2, 3, 9], [20, 21, 22, 5], b"r7", slot=(1, 3))
         assert wait(t, lambda e: e.sent).sent[0].ok
         assert here.poll(30), "the decode process did not answer"
-        received, total, nonzero = here.recv()
+        received, total, nonzero, first = here.recv()
         assert received == [("prefill-proc", b"r7")]
         assert total == pytest.approx(pages(src, [1, 2, 3, 9]).float().sum().item(), rel=1e-6)
         assert nonzero == pages(src, [1, 2, 3, 9]).numel()  # nothing else was written
+        assert first == (4242, -0.5, [(4242, -0.5), (7, -2.25)])
     finally:
         t.close()
         proc.join(30)
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+def test_the_layout_says_where_the_kv_lives_and_a_host_peer_cannot_pair_with_a_gpu_peer() -> None:
+    layout = pool().layout()
+    assert (layout.mem_type, layout.device_id) == ("DRAM", 0)
+    gpu = dataclasses.replace(layout, mem_type="VRAM", device_id=1)
+    assert layout.mismatch(gpu) == ["mem_type: DRAM != VRAM"]
+    assert not gpu.mismatch(dataclasses.replace(gpu, device_id=0))  # another GPU of the peer: fine
+    t = nixl_agent.NixlTransfer("where-a")
+    try:
+        t.register(layout)
+        with pytest.raises(ValueError, match="mem_type"):
+            t.add_peer(b"unused", gpu)
+    finally:
+        t.close()
+
+
+class _Recorder:
+    """Stands in for the NIXL agent: records the memory type and device of every descriptor."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, list[int]]] = []
+
+    def get_reg_descs(self, regions, mem_type):
+        self.calls.append(("reg", mem_type, [r[2] for r in regions]))
+
+    def get_xfer_descs(self, descs, mem_type):
+        self.calls.append(("xfer", mem_type, sorted({d[2] for d in descs})))
+
+    def register_memory(self, descs): return "reg"
+    def get_agent_metadata(self): return b"meta"
+    def add_remote_agent(self, meta): return b"peer"
+    def initialize_xfer(self, *args): return "handle"
+    def transfer(self, handle): return "PROC"
+    def release_xfer_handle(self, handle): pass
+    def remove_remote_agent(self, peer): pass
+    def deregister_memory(self, reg): pass
+
+
+def test_descriptors_carry_each_sides_memory_type_and_device() -> None:
+    """VRAM on GPU 1 here, VRAM on GPU 2 at the peer: registration and source descriptors
+    name this side's device, destination descriptors the peer's (not the local type, not 0)."""
+    t = nixl_agent.NixlTransfer("where-b")
+    t.agent = rec = _Recorder()
+    here = dataclasses.replace(pool().layout(), mem_type="VRAM", device_id=1)
+    there = dataclasses.replace(here, device_id=2, base_ptr=here.base_ptr + 4096)
+    slots = MetaRegion(1 << 20, 8 * 43, 4)
+    t.register(here, slots)
+    peer = t.add_peer(b"meta", there, slots)
+    t.send(peer, "r1", [1, 2], [3, 4], b"r1", slot=(0, 1))
+    assert rec.calls == [("reg", "VRAM", [1, 1]), ("xfer", "VRAM", [1]), ("xfer", "VRAM", [2])]
+
+
+def test_first_token_slots_live_on_the_kv_device() -> None:
+    slots = FirstTokenSlots(2, device="meta")  # any device: the KV buffer's, so one NIXL list holds both
+    assert slots.buf.device.type == "meta"
 
 
 def test_nixl_errors_fail_the_peer_or_the_send_never_the_caller(monkeypatch) -> None:

@@ -7,6 +7,11 @@ One slot is a row of float64 (exact for token ids below 2**53):
 
 Decode reserves a slot with a request's pages; prefill fills a slot of its own and
 writes it into decode's. Both sides size slots the same, so the handshake can check.
+
+The slots live on the KV buffer's device: a NIXL descriptor list holds one memory type, and
+one list (one notification) must carry a request's last pages and its slot. On a GPU a
+write is one synchronous host-to-device copy of the row (done before the send reads it),
+a read one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ WIDTH = 3 + 2 * MAX_TOP
 
 
 class FirstTokenSlots:
-    def __init__(self, slots: int) -> None:
-        self.buf = torch.zeros(slots, WIDTH, dtype=torch.float64)
+    def __init__(self, slots: int, device: torch.device | str = "cpu") -> None:
+        self.buf = torch.zeros(slots, WIDTH, dtype=torch.float64, device=device)
         self.free = list(range(slots - 1, -1, -1))
         self.capacity = slots
 
@@ -38,12 +43,13 @@ class FirstTokenSlots:
         self.free.append(slot)
 
     def write(self, slot: int, token: int, logprob: float | None, top: list[tuple[int, float]]) -> None:
-        row = self.buf[slot]
-        row.zero_()
         top = top[:MAX_TOP]
+        row = [0.0] * WIDTH
         row[0], row[1], row[2] = token, math.nan if logprob is None else logprob, len(top)
         for i, (t, lp) in enumerate(top):
             row[3 + i], row[3 + MAX_TOP + i] = t, lp
+        # Blocking: NIXL reads the slot as soon as send() posts the WRITE, outside any stream.
+        self.buf[slot].copy_(torch.tensor(row, dtype=torch.float64), non_blocking=False)
 
     def read(self, slot: int, vocab_size: int = 2**53) -> tuple[int, float | None, list[tuple[int, float]]]:
         """The slot's (token, logprob or None, top). A peer wrote it: a ValueError says what is

@@ -1,8 +1,13 @@
-"""KVTransfer over NIXL (UCX backend): registered CPU memory here, GPU memory on a GPU.
+"""KVTransfer over NIXL (UCX backend): host memory on a CPU worker, GPU memory on a GPU.
 
 NIXL ships one wheel per CUDA major (nixl_cu12, nixl_cu13, or the `nixl` meta package);
 whichever is installed is used. A send is one NIXL WRITE transfer of all its page runs
 (tandem/pd/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
+
+Where memory lives comes from the layouts (KVLayout.mem_type, device_id): this side's
+registration and source descriptors use its own, the destination descriptors the peer's.
+A NIXL descriptor list holds one memory type, so the first-token slots live on the KV
+buffer's device (FirstTokenSlots) and travel in the same list as the pages.
 """
 
 from __future__ import annotations
@@ -50,8 +55,7 @@ class _Pending:
 
 
 class NixlTransfer(KVTransfer):
-    def __init__(self, name: str, timeout: float = 30.0, mem_type: str = "DRAM",
-                 progress_thread: bool = False) -> None:
+    def __init__(self, name: str, timeout: float = 30.0, progress_thread: bool = False) -> None:
         api = nixl_api()
         # NIXL's progress thread busy-polls a core. On a CPU worker that core is the model's:
         # with two agents' threads spinning, a same-machine memcpy ran at 1.6 instead of
@@ -61,7 +65,6 @@ class NixlTransfer(KVTransfer):
         self.errors = nixl_errors(api)
         self.name = name
         self.timeout = timeout
-        self.mem_type = mem_type  # "VRAM" when the pool is on a GPU
         self.layout: KVLayout | None = None
         self.slots: MetaRegion | None = None
         self._reg: Any = None
@@ -73,10 +76,10 @@ class NixlTransfer(KVTransfer):
         if self.layout is not None:
             raise RuntimeError("the KV buffer is registered already")
         self.layout, self.slots = layout, slots
-        regions = [(layout.base_ptr, layout.total_bytes, 0, "")]
-        if slots is not None:
-            regions.append((slots.addr, slots.slot_bytes * slots.slots, 0, ""))
-        descs = self.agent.get_reg_descs(regions, self.mem_type)
+        regions = [(layout.base_ptr, layout.total_bytes, layout.device_id, "")]
+        if slots is not None:  # on the KV buffer's device (one memory type per list)
+            regions.append((slots.addr, slots.slot_bytes * slots.slots, layout.device_id, ""))
+        descs = self.agent.get_reg_descs(regions, layout.mem_type)
         self._reg = self.agent.register_memory(descs)
         return self.agent.get_agent_metadata()
 
@@ -111,8 +114,8 @@ class NixlTransfer(KVTransfer):
             dst.append((peer_slots.addr + slot[1] * n, n))
         handle = None
         try:
-            local = self.agent.get_xfer_descs([(a, n, 0) for a, n in src], self.mem_type)
-            remote = self.agent.get_xfer_descs([(a, n, 0) for a, n in dst], self.mem_type)
+            local = self.agent.get_xfer_descs([(a, n, self.layout.device_id) for a, n in src], self.layout.mem_type)
+            remote = self.agent.get_xfer_descs([(a, n, peer_layout.device_id) for a, n in dst], peer_layout.mem_type)
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)
             state = self.agent.transfer(handle)
         except self.errors as exc:

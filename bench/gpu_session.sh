@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU session in one command: the GPU tests, PD on one GPU, the KV transfer and decode benchmarks.
+# Run from the repo root on the GPU machine, with the kit staged into .gpu/ (docs/gpu.md) and, where the
+# machine lacks the serving packages (fastapi, uvicorn, pydantic, xgrammar, ...), their wheels in .whl/:
+#
+#     OUT=/tmp/gpu-out bash bench/gpu_session.sh
+#
+# Every step has its own time limit and log ($OUT/<step>.log); $OUT/summary lists each step's exit
+# status and seconds, so one slow or failing step costs its own limit, never the rest of the run.
+# The Llama-1B-shape model (random weights, 2.4 GB) builds in the background while the tests run.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+. .gpu/setup.sh > "$OUT/setup.log" 2>&1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >> "$OUT/setup.log" 2>&1 || echo "WHEELS FAILED" >> "$OUT/setup.log"
+fi
+export PYTHONPATH=/tmp/fi:/tmp/site:/tmp/nx
+nvidia-smi -L >> "$OUT/setup.log" 2>&1
+tail -3 "$OUT/setup.log"
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, record exit status and time
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc ${SECONDS}s-total $((SECONDS - t0))s" | tee -a "$OUT/summary"
+    tail -4 "$OUT/$name.log"
+}
+
+(cd /tmp && python3 -c "from tandem.engine.modelgen.resolve import resolve_model as r; print(r('llama-1b-shape'))") \
+    > "$OUT/model-build.log" 2>&1 &
+BUILD=$!
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors)
+step kv-transfer-tests "${KV_LIMIT:-60}" "${PYTEST[@]}" tests/pd/test_kv_transfer.py
+step kv-transfer-bench "${KVB_LIMIT:-60}" python3 bench/kv_transfer.py --device cuda --rounds 5
+cp docs/results/kv_transfer_cuda.json "$OUT/" 2>/dev/null
+# PD on one GPU: the workers' device is `auto`, so on this machine prefill, decode and colocated
+# all run on the GPU (fp32, SDPA) and their KV moves VRAM to VRAM.
+step pd-exactness "${PD_LIMIT:-130}" "${PYTEST[@]}" tests/pd/test_pd_exactness.py -x
+step gpu-tests "${GPU_LIMIT:-130}" "${PYTEST[@]}" -m gpu tests --ignore=tests/operator
+wait $BUILD
+echo "model-build rc=$? ${SECONDS}s-total" | tee -a "$OUT/summary"
+step decode-bench "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py --model llama-1b-shape --batches "${BATCHES:-1,64}" \
+    --steps "${STEPS:-64}" --repeats 2 --out "$OUT/gpu_decode_cuda.json"
+echo "done ${SECONDS}s" | tee -a "$OUT/summary"
