@@ -73,8 +73,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
         )
         self.active_decode_wrapper = self.decode_wrapper
-        self._planned: dict[int, torch.cuda.Event] = {}
-        self._fence = torch.device(ctx.device).type == "cuda"  # off only under the CPU tests' stand-in
+        # The device's own event: torch.cpu.Event is a no-op, except under the CPU tests' stand-in,
+        # where it is the fence of the stand-in's asynchronous plan copies.
+        self._events = torch.get_device_module(torch.device(ctx.device))
+        self._planned: dict[int, torch.cuda.Event | torch.cpu.Event] = {}
 
     # ---- plans -------------------------------------------------------------------------------
     def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,10 +94,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         if done is not None:
             done.synchronize()
         wrapper.plan(*args, **kw)  # type: ignore[attr-defined]
-        if self._fence:
-            done = torch.cuda.Event()
-            done.record()
-            self._planned[id(wrapper)] = done
+        done = self._events.Event()
+        done.record()
+        self._planned[id(wrapper)] = done
 
     def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
         ctx = self.ctx

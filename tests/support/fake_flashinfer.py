@@ -1,12 +1,19 @@
 """A stand-in for FlashInfer's paged wrappers on CPU, so the FlashInfer backend's own logic
 (page tables, plans, the CUDA-graph buffers) is tested without a GPU.
 
-It keeps FlashInfer 0.7's documented contract, from its source: the constructor and `plan`
-signatures, fixed buffers under `use_cuda_graph` (plan copies into them, run reads only them),
-the head dims and dtypes its kernels exist for, and attention computed from the planned
-(indptr, indices, last_page_len) alone, with the causal mask aligned bottom-right. `run`
-computes that attention densely; a wrong page table gives wrong outputs, not a crash.
-Every plan is recorded in `PLANS` so tests can check what crossed to the device.
+It keeps FlashInfer 0.7's contract, from its source, and is no more permissive than it:
+- the constructor and `plan` signatures; fixed buffers under `use_cuda_graph` (plan copies into
+  them, run reads only them); the head dims and dtypes its kernels exist for; int32 index tables.
+- `run` refuses what FlashInfer refuses: q or KV dtypes other than the planned `q_data_type` and
+  `kv_data_type`, q rows other than `qo_indptr[-1]` (prefill) or the batch size (decode), and
+  heads, head_dim or page size other than the planned ones.
+- outside CUDA-graph mode the index tensors are the caller's, by reference, as FlashInfer keeps
+  device tensors: a caller that overwrites them between plan and run changes what run reads.
+- plan's copies to the device are asynchronous (fake_flashinfer_copies.py): host inputs changed
+  before their copy landed, or a re-plan before the previous plan's copy landed, are errors.
+`run` computes attention densely from the planned (indptr, indices, last_page_len) alone, causal
+mask aligned bottom-right; a wrong page table gives wrong outputs, not a crash. Every plan is
+recorded in `PLANS` so tests can check what crossed to the device.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import sys
 import types
 from dataclasses import dataclass
 
+import fake_flashinfer_copies as copies
 import torch
 
 HEAD_DIMS = (64, 128, 256)
@@ -30,11 +38,15 @@ class Plan:
     batch: int
 
 
-def _check(num_qo: int, num_kv: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+def _check(num_qo: int, num_kv: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+           tables: dict[str, torch.Tensor]) -> None:
     if head_dim not in HEAD_DIMS or q_dtype not in DTYPES or kv_dtype not in DTYPES:
         raise RuntimeError(f"Invalid configuration: head_dim {head_dim}, {q_dtype}/{kv_dtype}")
     if num_qo % num_kv:
         raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+    for name, t in tables.items():
+        if t.dtype != torch.int32:  # the kernels' IdType; FlashInfer checks it, never casts
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
 
 
 def _attend(q: torch.Tensor, k_paged: torch.Tensor, v_paged: torch.Tensor, pages: torch.Tensor, kv_len: int,
@@ -51,11 +63,64 @@ def _attend(q: torch.Tensor, k_paged: torch.Tensor, v_paged: torch.Tensor, pages
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class _Paged:
+    """What both wrappers share: the planned problem that run checks its inputs against, and the
+    pinned buffer through which each plan reaches the device."""
+
+    def __init__(self) -> None:
+        self._pinned = copies.PinnedPlan()
+        self._copy: copies.PendingCopy | None = None
+
+    def _plan(self, host: dict[str, torch.Tensor], indices: torch.Tensor, heads: tuple[int, int, int],
+              page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | None, sm_scale: float | None) -> None:
+        kv_dtype = kv_dtype or q_dtype
+        _check(*heads, q_dtype, kv_dtype, {**host, "indices": indices})
+        self._heads, self._page_size, self._dtypes = heads, page_size, (q_dtype, kv_dtype)
+        self._scale = sm_scale or heads[2] ** -0.5
+        self._copy = self._pinned.replan(host)
+
+    def _check_run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], rows: int,
+                   rows_are: str) -> copies.PendingCopy:
+        if self._copy is None:
+            raise RuntimeError("run() before plan()")
+        (k, v), (q_dtype, kv_dtype), (heads, kv_heads, dim) = kv, self._dtypes, self._heads
+        if q.dtype != q_dtype:
+            raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {q_dtype} "
+                             "specified in plan function.")
+        if k.dtype != kv_dtype or v.dtype != kv_dtype:
+            raise ValueError(f"The dtype of k {k.dtype} / v {v.dtype} does not match the kv_data_type "
+                             f"{kv_dtype} specified in plan function.")
+        if q.shape[0] != rows:
+            raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match {rows_are} ({rows}).")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (heads, dim):
+            raise ValueError(f"q has shape {tuple(q.shape)}; plan() was given {heads} heads of dim {dim}.")
+        if k.dim() != 4 or tuple(k.shape[1:]) != (self._page_size, kv_heads, dim) or v.shape != k.shape:
+            raise ValueError(f"paged k/v have shapes {tuple(k.shape)}/{tuple(v.shape)}; plan() was given "
+                             f"page_size {self._page_size}, {kv_heads} KV heads of dim {dim} (NHD).")
+        self._copy.check("between plan() and run()")
+        self._copy.ran = True
+        return self._copy
+
+    def _attend_all(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], qo: list[int],
+                    indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        P, (k, v) = self._page_size, kv
+        if len(indices) < int(indptr[len(qo) - 1]):
+            raise RuntimeError(f"paged_kv_indices holds {len(indices)} pages, indptr names "
+                               f"{int(indptr[len(qo) - 1])}: the kernel would read past it")
+        out = []
+        for i in range(len(qo) - 1):
+            a, b = int(indptr[i]), int(indptr[i + 1])
+            kv_len = (b - a - 1) * P + int(last[i])
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, indices[a:b], kv_len, self._scale))
+        return torch.cat(out)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Paged):
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
+        super().__init__()
         assert kv_layout == "NHD"
         self.graph = use_cuda_graph
         if use_cuda_graph:
@@ -71,63 +136,67 @@ class BatchDecodeWithPagedKVCacheWrapper:
              num_kv_heads: int, head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE",
              q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None,
              sm_scale: float | None = None) -> None:
-        _check(num_qo_heads, num_kv_heads, head_dim, q_data_type, kv_data_type or q_data_type)
         batch = len(last_page_len)
-        PLANS.append(Plan("decode", indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
+        if len(indptr) != batch + 1:
+            raise ValueError(f"indptr holds {len(indptr)} entries for a batch of {batch}")
         if self.graph:
             if batch != self.fixed:
                 raise ValueError("The batch size should be fixed in cudagraph mode")
             if len(indices) > len(self.indices):
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+        self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices,
+                   (num_qo_heads, num_kv_heads, head_dim), page_size, q_data_type, kv_data_type, sm_scale)
+        PLANS.append(Plan("decode", indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
+        self.batch = batch
+        if self.graph:  # stream-ordered copies into the fixed buffers the graph reads
             self.indptr.copy_(indptr)
             self.last.copy_(last_page_len)
             self.indices[: len(indices)].copy_(indices)
         else:
-            self.indptr, self.indices, self.last = indptr.clone(), indices.clone(), last_page_len.clone()
-        self.page_size, self.scale = page_size, sm_scale or head_dim**-0.5
+            self.indices = indices  # the caller's tensor, not a copy
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        P, (k, v) = self.page_size, kv
-        out = []
-        for i in range(q.shape[0]):
-            a, b = int(self.indptr[i]), int(self.indptr[i + 1])
-            kv_len = (b - a - 1) * P + int(self.last[i])
-            out.append(_attend(q[i : i + 1], k, v, self.indices[a:b], kv_len, self.scale))
-        return torch.cat(out)
+        copy = self._check_run(q, kv, self.batch, "the batch size planned")
+        indptr, last = (self.indptr, self.last) if self.graph else (copy.host["indptr"], copy.host["last_page_len"])
+        return self._attend_all(q, kv, list(range(self.batch + 1)), indptr, self.indices, last)
 
 
-class BatchPrefillWithPagedKVCacheWrapper:
+class BatchPrefillWithPagedKVCacheWrapper(_Paged):
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
+        super().__init__()
         assert kv_layout == "NHD"
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
              page_size: int, *, causal: bool = False, sm_scale: float | None = None,
              q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None) -> None:
-        _check(num_qo_heads, num_kv_heads, head_dim_qk, q_data_type, kv_data_type or q_data_type)
         assert causal
-        host = all(t.device.type == "cpu" for t in (qo_indptr, paged_kv_indptr, paged_kv_last_page_len))
-        PLANS.append(Plan("prefill", host, len(paged_kv_last_page_len)))
-        self.qo, self.indptr = qo_indptr.clone(), paged_kv_indptr.clone()
-        self.indices, self.last = paged_kv_indices.clone(), paged_kv_last_page_len.clone()
-        self.page_size, self.scale = page_size, sm_scale or head_dim_qk**-0.5
+        batch = len(qo_indptr) - 1
+        if len(paged_kv_indptr) != batch + 1 or len(paged_kv_last_page_len) != batch:
+            raise ValueError("qo_indptr, paged_kv_indptr and paged_kv_last_page_len disagree on the batch size")
+        host = {"qo_indptr": qo_indptr, "paged_kv_indptr": paged_kv_indptr,
+                "paged_kv_last_page_len": paged_kv_last_page_len}
+        self._plan(host, paged_kv_indices, (num_qo_heads, num_kv_heads, head_dim_qk), page_size,
+                   q_data_type, kv_data_type, sm_scale)
+        PLANS.append(Plan("prefill", all(t.device.type == "cpu" for t in host.values()), batch))
+        self._qo_last = int(qo_indptr[-1])  # read on the host at plan time, as FlashInfer does
+        self._indices = paged_kv_indices  # the caller's tensor, not a copy
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        P, (k, v) = self.page_size, kv
-        out = []
-        for i in range(len(self.last)):
-            a, b = int(self.indptr[i]), int(self.indptr[i + 1])
-            kv_len = (b - a - 1) * P + int(self.last[i])
-            out.append(_attend(q[int(self.qo[i]) : int(self.qo[i + 1])], k, v, self.indices[a:b], kv_len, self.scale))
-        return torch.cat(out)
+        copy = self._check_run(q, kv, self._qo_last, "qo_indptr[-1]")
+        qo = [int(x) for x in copy.host["qo_indptr"]]
+        return self._attend_all(q, kv, qo, copy.host["paged_kv_indptr"], self._indices,
+                                copy.host["paged_kv_last_page_len"])
 
 
 def install(monkeypatch: object) -> types.ModuleType:
-    """Make `import flashinfer` return this stand-in for the rest of the test."""
+    """Make `import flashinfer` return this stand-in, and CPU events the fence of its plan copies,
+    for the rest of the test."""
     mod = types.ModuleType("flashinfer")
     mod.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # what find_spec reports
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)  # type: ignore[attr-defined]
+    copies.install(monkeypatch)
     PLANS.clear()
     return mod
