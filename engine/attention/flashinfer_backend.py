@@ -27,6 +27,7 @@ import itertools
 
 import torch
 
+from tandem.engine.attention import page_gather
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 
@@ -77,13 +78,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         # where it is the fence of the stand-in's asynchronous plan copies.
         self._events = torch.get_device_module(torch.device(ctx.device))
         self._planned: dict[int, torch.cuda.Event | torch.cpu.Event] = {}
+        self._one_launch = page_gather.available(torch.device(ctx.device))  # the page table in one kernel
 
     # ---- plans -------------------------------------------------------------------------------
     def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         P = self.ctx.page_size
         indptr, last = host_page_counts(batch.seq_lens_cpu, P)
         table = self.ctx.req_to_token_pool.req_to_token
-        return indptr, page_indices(table, batch.req_pool_indices, batch.seq_lens, int(indptr[-1]), P), last
+        total = int(indptr[-1])
+        if self._one_launch:
+            return indptr, page_gather.gather_page_indices(table, batch.req_pool_indices, indptr, total, P), last
+        return indptr, page_indices(table, batch.req_pool_indices, batch.seq_lens, total, P), last
 
     def _fenced_plan(self, wrapper: object, *args: object, **kw: object) -> None:
         """plan() fills a pinned host buffer and queues its copy to the device without waiting.

@@ -39,4 +39,7 @@ class FutureMap:
         return torch.where(input_ids < 0, self.buf[(-input_ids).clamp(min=0)], input_ids)
 
     def store(self, idx: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.buf[idx.to(self.buf.device)] = token_ids
+        # idx is a run from alloc(), so a slice: indexing with idx would copy it to the device
+        # synchronously, and on a GPU the forward thread would wait there for the whole step.
+        start = int(idx[0])
+        self.buf[start : start + len(idx)] = token_ids

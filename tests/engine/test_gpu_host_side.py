@@ -137,3 +137,20 @@ def test_mirror_check_covers_a_big_table_in_turns() -> None:
             pool._check_mirror(max_bytes=0)
     with pytest.raises(AssertionError, match="mirror"):
         pool.check_integrity()  # small: the whole table at once
+
+
+def test_future_ids_are_stored_as_a_slice_without_moving_the_indices() -> None:
+    """Indexing the ring with the slots would copy them to the device with a sync: on a GPU the
+    forward thread waited there for its whole step (1.1 ms of a 2.3 ms step on the H200)."""
+    from tandem.engine.runner.future_map import FutureMap
+
+    class Pinned(torch.Tensor):
+        def to(self, *args, **kw):  # type: ignore[override]
+            raise AssertionError("the slot indices were copied to the device")
+
+    fm = FutureMap(2, "cpu")  # ring of 9: slots 1..8
+    fm.alloc(7)
+    idx = fm.alloc(3)  # wraps around to 1..3
+    assert idx.tolist() == [1, 2, 3]
+    fm.store(idx.as_subclass(Pinned), torch.tensor([7, 8, 9]))
+    assert fm.resolve(torch.tensor([5, -3, -1, -2])).tolist() == [5, 9, 7, 8]
