@@ -12,6 +12,12 @@ last page, then takes whole new pages:
 
 Frees may be batched with free_group_begin/free_group_end so that retiring a
 whole batch costs one tensor op instead of one per request.
+
+Between hold_begin and hold_end a freed page is *held*: neither free nor allocated, and
+handed out by no allocation until reclaim(). Under overlap the scheduler frees pages while
+it processes batch N-1's results, when batch N, already launched, may still write some of
+them; a page handed out then could take a KV transfer's write (NIXL, not ordered with the
+forward) under N's. The owner (scheduler/cache_manager.py) reclaims once N has completed.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ class PageAllocator:
         self.capacity_pages = num_pages - 1
         self._allocated = torch.zeros(num_pages, dtype=torch.bool)
         self._free_pages = torch.arange(1, num_pages, dtype=torch.int64)
+        self._held = torch.zeros(num_pages, dtype=torch.bool)  # freed, not yet reclaimed
+        self._holding = False
+        self._any_held = False  # reclaim runs every loop step: skip the mask scan when none are
         self._group: list[torch.Tensor] | None = None
         # Keep the free list in page order, so that an allocation takes the lowest free pages
         # and they are mostly consecutive: a KV transfer moves each run of consecutive pages
@@ -38,12 +47,20 @@ class PageAllocator:
     def keep_free_list_sorted(self) -> None:
         """Hand out the lowest free pages first from now on (see `sorted_free`)."""
         self.sorted_free = True
-        self._free_pages = torch.nonzero(~self._allocated[1:]).flatten() + 1
+        self._sort_free_list()
+
+    def _sort_free_list(self) -> None:
+        # +1: the mask is sliced from page 1, so nonzero's index i is page i + 1
+        self._free_pages = torch.nonzero(~(self._allocated[1:] | self._held[1:])).flatten() + 1
 
     # ---- queries ---------------------------------------------------------------------
     def available_size(self) -> int:
         """Free capacity in tokens."""
         return int(self._free_pages.numel()) * self.page_size
+
+    def held_pages(self) -> int:
+        """Pages freed since the last reclaim() while holding: not free yet."""
+        return int(self._held.sum())
 
     def pages_needed(self, prefix_len: int, extend_len: int) -> int:
         """New pages to extend a request holding `prefix_len` tokens by `extend_len`."""
@@ -121,8 +138,15 @@ class PageAllocator:
         if bool((pages == 0).any()) or not bool(self._allocated[pages].all()):
             raise RuntimeError("double free or free of a page that was never allocated")
         self._allocated[pages] = False
+        if self._holding:
+            self._held[pages] = True
+            self._any_held = True
+        else:
+            self._release(pages)
+
+    def _release(self, pages: torch.Tensor) -> None:
         if self.sorted_free:
-            self._free_pages = torch.nonzero(~self._allocated[1:]).flatten() + 1
+            self._sort_free_list()
         else:
             self._free_pages = torch.cat([self._free_pages, pages])
 
@@ -134,22 +158,42 @@ class PageAllocator:
         if group:
             self.free(torch.cat(group))
 
+    # ---- holding ---------------------------------------------------------------------
+    def hold_begin(self) -> None:
+        """Hold every page freed from now until hold_end() (see the module docstring)."""
+        self._holding = True
+
+    def hold_end(self) -> None:
+        self._holding = False
+
+    def reclaim(self) -> None:
+        """Make held pages allocatable: no batch that could write them is still running."""
+        if not self._any_held:
+            return
+        self._any_held = False
+        pages = torch.nonzero(self._held).flatten()
+        self._held[pages] = False
+        self._release(pages)
+
     # ---- integrity ---------------------------------------------------------------------
     def check_integrity(self, in_use_pages: int | None = None) -> None:
-        """free + in use == total, with no page both free and allocated.
+        """free + held + in use == total, with no page in two of them.
 
         `in_use_pages`, when the owners (cache and running requests) can count
         theirs, must equal the allocator's count: a mismatch is a leak."""
         free = self._free_pages
         assert free.numel() == torch.unique(free).numel(), "a page is on the free list twice"
         assert not bool(self._allocated[free].any()), "a free page is marked allocated"
-        n_alloc = int(self._allocated.sum())
-        assert n_alloc + free.numel() == self.capacity_pages, (
-            f"pages lost: allocated {n_alloc} + free {free.numel()} != {self.capacity_pages}"
+        assert not bool(self._held[free].any()), "a free page is marked held"
+        assert not bool((self._held & self._allocated).any()), "a held page is marked allocated"
+        n_alloc, n_held = int(self._allocated.sum()), self.held_pages()
+        assert n_alloc + n_held + free.numel() == self.capacity_pages, (
+            f"pages lost: allocated {n_alloc} + held {n_held} + free {free.numel()} != {self.capacity_pages}"
         )
         if in_use_pages is not None:
             assert n_alloc == in_use_pages, f"owners hold {in_use_pages} pages, allocator has {n_alloc}"
 
     @property
     def used_pages(self) -> int:
+        """Pages not free: allocated or held."""
         return self.capacity_pages - int(self._free_pages.numel())

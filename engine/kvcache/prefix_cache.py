@@ -11,7 +11,8 @@ once they are inserted):
 
 Ownership rule: every KV page is owned by exactly one party, the cache or one
 running request. `allocator.used_pages == cache.cached_pages() + pages held by
-running requests` is the leak check built on it.
+running requests` (+ pages freed but held until reclaim, allocator.py) is the leak
+check built on it.
 
 Two implementations share one contract test (tests/engine/test_prefix_cache.py):
 RadixCache (radix_cache.py) and NoPrefixCache (below, caches nothing).

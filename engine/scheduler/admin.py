@@ -16,7 +16,7 @@ def flush_cache(sched: Scheduler, msg: FlushCacheReq) -> AdminResult:
     if not sched.idle():
         return AdminResult(msg.rid, False, {"error": "busy: requests are running"})
     try:
-        sched.cache.tree.reset()
+        sched.cache.flush()
     except (AssertionError, RuntimeError) as exc:  # an admin call must never kill the scheduler
         return AdminResult(msg.rid, False, {"error": f"flush failed: {exc}"})
     sched.idle_checked = False  # the cache changed: check the pool again

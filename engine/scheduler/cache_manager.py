@@ -7,6 +7,13 @@ The scheduler never touches the allocator or the tree directly; it asks this
 manager for slots and hands back requests that stop running. Allocation evicts
 unlocked prefix-cache leaves first when the free list is short.
 
+Under overlap, what a batch's results free is held until reclaim() (holding()): batch N,
+launched before N-1's results are processed, may still write the pages of a request that
+N-1 finishes, and a page handed out meanwhile could take a KV transfer's write (NIXL is not
+ordered with the forward) under N's. Freed pages wait in the allocator; the cached path of
+a request released then stays locked, since eviction frees at once. The scheduler reclaims
+when nothing launched before those frees still runs.
+
 Row layout of a running request (positions of its req_to_token row):
 
     [0, len(prefix_indices))            owned by the prefix cache, locked via last_node
@@ -14,6 +21,9 @@ Row layout of a running request (positions of its req_to_token row):
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -27,12 +37,16 @@ class OutOfKV(RuntimeError):
 
 
 class CacheManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, tree_cache: object) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, tree_cache: object,
+                 hold_freed: bool = False) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
         self.allocator = kv_pool.allocator
         self.tree = tree_cache
         self.page_size = kv_pool.page_size
+        self.hold_freed = hold_freed  # overlap: holding() holds; off, it does nothing
+        self._holding = False
+        self._held_nodes: list[object] = []  # cached paths locked until reclaim()
 
     # ---- capacity ------------------------------------------------------------------------
     @property
@@ -108,7 +122,10 @@ class CacheManager:
         if req.req_pool_idx is None:  # never admitted: it holds no KV and no lock
             return
         self._drop_unknown_tail(req)
+        kv_ids = req.kv_token_ids() if self._holding else None
         self.tree.cache_finished_req(req)
+        if kv_ids is not None:
+            self._hold_cached(kv_ids)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_committed_len = 0
@@ -149,9 +166,43 @@ class CacheManager:
     def unlock(self, node: object) -> None:
         self.tree.dec_lock_ref(node)
 
-    def reclaim_rows(self) -> None:
-        """Every batch launched before the last frees has completed (see ReqToTokenPool)."""
+    # ---- holding ------------------------------------------------------------------------------
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold what is freed inside until reclaim() (see the module docstring)."""
+        if not self.hold_freed:
+            yield
+            return
+        self._holding = True
+        self.allocator.hold_begin()
+        try:
+            yield
+        finally:
+            self.allocator.hold_end()
+            self._holding = False
+
+    def _hold_cached(self, kv_ids: list[int]) -> None:
+        """Lock the cached path of a request just released: its last page may be one an
+        in-flight batch writes, and evicting it would free that page at once."""
+        aligned = len(kv_ids) - len(kv_ids) % self.page_size
+        match = self.tree.match_prefix(kv_ids[:aligned])
+        if match.indices.numel():
+            self.tree.inc_lock_ref(match.last_node)
+            self._held_nodes.append(match.last_node)
+
+    def reclaim(self) -> None:
+        """Every batch launched before the last frees has completed: held rows and pages
+        become allocatable, held cached paths evictable."""
         self.req_to_token_pool.reclaim()
+        self.allocator.reclaim()
+        nodes, self._held_nodes = self._held_nodes, []
+        for node in nodes:
+            self.tree.dec_lock_ref(node)
+
+    def flush(self) -> None:
+        """Drop the prefix cache; only with nothing running or in flight."""
+        self.reclaim()
+        self.tree.reset()
 
     def free_group(self) -> _FreeGroup:
         return _FreeGroup(self.allocator)
@@ -159,8 +210,9 @@ class CacheManager:
     # ---- integrity ------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """With no request running: every page in use belongs to the prefix cache, and
-        nothing locks a cached prefix any more. Passing means the pool is whole."""
-        self.req_to_token_pool.reclaim()
+        nothing locks a cached prefix any more. Passing means the pool is whole. Called only
+        with no batch in flight, so what is held can be reclaimed first."""
+        self.reclaim()
         self.tree.check_integrity()
         assert self.tree.protected_size() == 0, f"{self.tree.protected_size()} cached tokens still locked"
         self.allocator.check_integrity(in_use_pages=self.tree.cached_pages())

@@ -7,22 +7,22 @@ The overlap loop follows SGLang's overlap scheduler: while the forward thread co
 N, this thread processes N-1's results and builds N+1 (whose decode inputs are N's futures).
 Two consecutive prefills do not overlap, so the first prefill's tokens reach the client
 before the second runs. A constrained batch N is sampled only after N-1 is processed: its
-vocabulary mask needs N-1's tokens (engine/grammar/batch_mask.py). Both loops give the same
-tokens (tests/engine/test_scheduler_vs_hf.py, test_structured_output.py).
+vocabulary mask needs N-1's tokens (engine/grammar/batch_mask.py). What processing N-1 frees
+(rows, pages, the cached path of a finished request) is held until N has completed: N may
+still write it (scheduler/cache_manager.py). Both loops give the same tokens
+(tests/engine/test_scheduler_vs_hf.py, test_structured_output.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.engine.scheduler.grammar_manager import fill_or_fail
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.schedule_batch import ScheduleBatch
     from tandem.engine.scheduler.scheduler import Scheduler
 
 
@@ -45,7 +45,7 @@ def event_loop_normal(s: Scheduler) -> None:
 
 def event_loop_overlap(s: Scheduler) -> None:
     assert s.overlap is not None
-    in_flight: deque[tuple[ScheduleBatch, Any]] = deque()
+    in_flight = s.in_flight
 
     def pop_and_process() -> None:
         done_batch, fut = in_flight.popleft()
@@ -56,7 +56,11 @@ def event_loop_overlap(s: Scheduler) -> None:
             s.metrics.on_overhead(done_batch, time.perf_counter() - t)
 
     while s.running:
-        s.process_input_requests(s.recv_requests(block=s.idle() and not in_flight))
+        while in_flight and s.all_finished():
+            pop_and_process()  # only finished requests' steps: settle them before a flush looks
+        if not in_flight:
+            s.cache.reclaim()  # nothing launched still runs: idle or waiting, nothing stays held
+        s.process_input_requests(s.recv_requests(block=s.idle()))
         t = time.perf_counter()
         batch = s.faults.build(s.get_next_batch_to_run)
         s.metrics.on_overhead(batch, time.perf_counter() - t)
@@ -89,3 +93,4 @@ def event_loop_overlap(s: Scheduler) -> None:
         s.last_batch = batch
     while in_flight:
         pop_and_process()
+    s.cache.reclaim()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -69,7 +70,8 @@ class Scheduler:
         tree = create_prefix_cache(
             config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size
         )
-        self.cache = CacheManager(memory.req_table, memory.kv_pool, tree)
+        # Overlap: a batch's results are processed while the next batch runs (cache_manager.py)
+        self.cache = CacheManager(memory.req_table, memory.kv_pool, tree, hold_freed=config.enable_overlap)
         self.policy = SchedulePolicy(config.schedule_policy, tree, config.enable_priority_scheduling, config.seed)
         self.prefill = PrefillManager(config, self.cache, self.policy)
         self.decode = DecodeManager(config, self.cache)
@@ -85,6 +87,7 @@ class Scheduler:
                                       admit=self.admit, fail=self.drop_unstarted)
         self.faults = BatchFaults(self)
         self.last_batch: ScheduleBatch | None = None
+        self.in_flight: deque[tuple[ScheduleBatch, Any]] = deque()  # launched, not processed (overlap)
         self.running = True
         self.idle_checked = False
         self.reqs: dict[str, Req] = {}
@@ -210,14 +213,15 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         result.materialize()
-        self.cache.reclaim_rows()
+        self.cache.reclaim()  # every batch launched before the held frees has completed
         self.metrics.on_result(batch, result)
-        if batch.mode == ForwardMode.DECODE:
-            self.output.process_decode(batch, result)
-        else:
-            self.output.process_prefill(batch, result)
-        if self.part is not None:
-            self.part.on_batch_done(batch)
+        with self.cache.holding():
+            if batch.mode == ForwardMode.DECODE:
+                self.output.process_decode(batch, result)
+            else:
+                self.output.process_prefill(batch, result)
+            if self.part is not None:
+                self.part.on_batch_done(batch)
         if self.prefill.chunked_req is not None and self.prefill.chunked_req.finished():
             self.prefill.chunked_req = None
         for r in batch.reqs:
@@ -237,10 +241,14 @@ class Scheduler:
 
     # ---- loops ----------------------------------------------------------------------------------------
     def idle(self) -> bool:
-        """No work left: every request received has finished. `self.reqs` is the one
-        place that sees them all: waiting, chunked, running, and those of a prefill
-        batch just processed but not yet merged into the running set (a flush landing
-        there once found their prefix locks and died)."""
+        """No work left and no batch in flight (what the cache holds for one is reclaimable)."""
+        return not self.in_flight and self.all_finished()
+
+    def all_finished(self) -> bool:
+        """Every request received has finished. `self.reqs` is the one place that sees
+        them all: waiting, chunked, running, and those of a prefill batch just processed
+        but not yet merged into the running set (a flush landing there once found their
+        prefix locks and died)."""
         return all(r.finished() for r in self.reqs.values()) and (self.part is None or not self.part.busy())
 
     def only_waiting(self) -> bool:

@@ -150,6 +150,27 @@ def test_freed_request_rows_are_held_until_reclaimed() -> None:
     assert pool.alloc(1) == [rows[0]]
 
 
+@pytest.mark.parametrize("sorted_free", [False, True])
+def test_pages_freed_while_holding_wait_for_reclaim(sorted_free: bool) -> None:
+    a = PageAllocator(num_pages=5, page_size=2, device="cpu")
+    if sorted_free:
+        a.keep_free_list_sorted()
+    pages = a.alloc_pages(4)
+    a.hold_begin()
+    a.free(pages[:2] * 2)
+    a.hold_end()
+    a.free(pages[3:] * 2)  # not holding: free at once
+    assert a.held_pages() == 2 and a.available_size() == 2
+    assert a.alloc_pages(2) is None  # held: a launched batch may still write them
+    with pytest.raises(RuntimeError):
+        a.free(pages[:1] * 2)  # a held page is already free
+    a.check_integrity(in_use_pages=1)  # held is neither free nor in use
+    a.reclaim()
+    assert a.held_pages() == 0
+    assert sorted(a.alloc_pages(3).tolist()) == sorted(pages[[0, 1, 3]].tolist())
+    a.check_integrity(in_use_pages=4)
+
+
 def test_sorted_free_list_hands_out_consecutive_pages() -> None:
     """The PD roles keep free pages in page order: after churn, a new allocation is one run."""
     for sorted_free, runs in ((False, 3), (True, 1)):
