@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from tandem.engine import socket_dir
+from tandem.engine.device_map import check_devices
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.launch import FATAL, run_scheduler_process
 from tandem.engine.scheduler.role_part import AttachRole
@@ -79,6 +80,7 @@ class DPBudget:
 class DataParallelController:
     def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None],
                  attach: AttachRole | None = None, threads: int | None = None, ready_timeout: float = 600.0) -> None:
+        check_devices(config)  # here, before any rank is spawned to find its GPU missing
         self.config = config
         self.emit = emit
         self.budget = DPBudget(config.dp_size)

@@ -39,6 +39,7 @@ class EngineConfig:
     enable_priority_scheduling: bool = False
     priority_scheduling_preemption_threshold: int = 10
     dp_size: int = 1
+    base_gpu_id: int = 0  # CUDA: DP rank r runs on GPU base_gpu_id + r (engine/device_map.py)
     load_balance_method: str = "round_robin"
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
+        if self.base_gpu_id < 0:
+            raise ValueError("base_gpu_id must be >= 0")
         if self.schedule_conservativeness <= 0:
             raise ValueError("schedule_conservativeness must be > 0")
         from tandem.engine.grammar.registry import BACKENDS  # torch-free at import: a dict of factories

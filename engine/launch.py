@@ -10,6 +10,7 @@ back through the `emit` callback it was built with, `error` says why it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import queue
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tandem.engine.device_map import bind_device, rank_device
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler.role_part import AttachRole
 from tandem.protocol.messages import AdminResult, ShutdownReq, decode, encode
@@ -39,7 +41,8 @@ class SchedulerClient(Protocol):
 def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emit,
                     attach: AttachRole | None = None, dp_rank: int = 0) -> Any:
     """Load the model and wire a Scheduler; `attach` composes in a PD role's transfer part
-    (prefill/role.py, decode/role.py: the caller picks it, the engine knows neither)."""
+    (prefill/role.py, decode/role.py: the caller picks it, the engine knows neither).
+    The rank's GPU is made current first, so the weights, the KV pool and its sizing are on it."""
     from transformers import AutoTokenizer
 
     from tandem.engine.runner.model_runner import ModelRunner
@@ -56,7 +59,9 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
                 tokenizer.append(AutoTokenizer.from_pretrained(model_path))
             return tokenizer[0]
 
-    runner = ModelRunner(model_path, config.runner_config())
+    device = rank_device(config, dp_rank)
+    bind_device(device)
+    runner = ModelRunner(model_path, dataclasses.replace(config.runner_config(), device=device))
     memory = runner.size_kv_memory()
     runner.attach(memory)
     sched = Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
@@ -90,6 +95,7 @@ class InProcessScheduler:
 
     def _run(self) -> None:
         try:
+            bind_device(self.info["device"])
             self.scheduler.run()
         except BaseException as exc:  # surfaced to callers through `error`
             self.error = exc

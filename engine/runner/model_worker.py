@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.device_map import bind_device
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
@@ -129,6 +130,7 @@ class OverlapWorker:
         return fut, -idx
 
     def _run(self) -> None:
+        bind_device(self.worker.runner.device)
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else None
         if ctx is not None:
             ctx.__enter__()
