@@ -66,7 +66,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         self._fi = flashinfer
         ctx = self.ctx
-        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
+        # Zeroed, as FlashInfer's docstrings ask: some of its kernels keep counters in the
+        # workspace that must start at zero, and a reused allocator block holds stale bytes.
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         # Tensor-core decode kernels win once several query heads share a KV head.
         self._tensor_cores = ctx.num_heads // ctx.num_kv_heads >= 4

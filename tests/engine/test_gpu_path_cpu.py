@@ -156,6 +156,27 @@ def test_flashinfer_backend_under_graphs_matches_its_eager_self(model_path, monk
     runner.req_to_token_pool.check_integrity(in_use=0)
 
 
+def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
+    """FlashInfer's docstrings ask for a zero-initialised workspace. While the backend is built
+    the allocator returns garbage, as a reused CUDA block holds; every wrapper must still get
+    the one workspace, all zero."""
+    import fake_flashinfer
+
+    from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    fake_flashinfer.install(monkeypatch)
+    ctx = SimpleNamespace(device=torch.device("cpu"), num_heads=8, num_kv_heads=2)
+    empty = torch.empty
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(0xA5))
+        backend = FlashInferAttentionBackend(ctx)
+        states = backend.graph_states([1, 2], max_pages=4)
+    handed = [backend.prefill_wrapper.workspace, backend.decode_wrapper.workspace,
+              *(s.workspace for s in states.values())]
+    assert all(w is backend.workspace for w in handed)
+    assert backend.workspace.numel() > 0 and not backend.workspace.any()
+
+
 def test_forward_under_graphs_returns_the_static_output_until_the_next_forward(model_path) -> None:
     """The documented contract of ModelRunner.forward: a view, overwritten by the next replay."""
     runner = _runner(model_path)

@@ -122,6 +122,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None) -> None:
         super().__init__()
         assert kv_layout == "NHD"
+        self.workspace = workspace
         self.graph = use_cuda_graph
         if use_cuda_graph:
             assert paged_kv_indptr_buffer is not None and paged_kv_indices_buffer is not None
@@ -165,6 +166,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
         super().__init__()
         assert kv_layout == "NHD"
+        self.workspace = workspace
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
