@@ -76,4 +76,4 @@ def create_backend(name: str, runner_ctx: object) -> AttentionBackend:
     return FlashInferAttentionBackend(runner_ctx)
 
 
-__all__ = ["AttentionBackend", "choose_backend", "create_backend"]
+__all__ = ["AttentionBackend", "choose_backend", "create_backend", "flashinfer_installed"]

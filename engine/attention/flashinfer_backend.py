@@ -57,6 +57,14 @@ def host_page_counts(seq_lens_cpu: list[int], page_size: int) -> tuple[torch.Ten
     return indptr, last
 
 
+def graph_index_buffers(max_bs: int, max_pages: int, device: torch.device | str) -> list[torch.Tensor]:
+    """The fixed (indptr, page indices, last_page_len) every captured decode reads, sized for
+    the largest bucket; runner/graph_memory.py counts them on the meta device."""
+    return [torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            torch.zeros(max_bs * max_pages, dtype=torch.int32, device=device),
+            torch.zeros(max_bs, dtype=torch.int32, device=device)]
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
@@ -132,10 +140,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """One wrapper per bucket, all over one set of buffers sized for the largest: one graph
         runs at a time and plans are stream-ordered, so sharing is safe and the page-index
         buffer (max_bs * max_pages entries) exists once, not once per bucket."""
-        dev, max_bs = self.ctx.device, max(buckets)
-        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=dev)
-        indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
-        last = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        indptr, indices, last = graph_index_buffers(max(buckets), max_pages, self.ctx.device)
         return {bs: self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
             paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,

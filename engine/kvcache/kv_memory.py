@@ -41,16 +41,34 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return info.get("MemTotal", 8 << 30), info.get("MemAvailable", 4 << 30)
 
 
-def reserve_bytes(mc: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """What must stay free beside weights and KV: the activations of the largest forward
-    (its widest layer's live tensors per token), fp32 logits and the sampler's copies of
-    them for a full decode batch, and on CUDA a fixed 1 GiB for the attention workspace,
-    CUDA graphs (their buffers and pool) and allocator slack."""
+def activation_bytes_per_token(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """The live tensors of a forward's widest layer, per token."""
     el = torch.tensor([], dtype=dtype).element_size()
-    per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * el
+    return (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * el
+
+
+def req_table_rows(config: RunnerConfig) -> int:
+    """Twice the running cap: rows of requests that finished in one step are held (not
+    reusable) until the next result, while a full batch is admitted."""
+    return 2 * config.max_running_requests
+
+
+def req_table_bytes(config: RunnerConfig, max_context_len: int) -> int:
+    """The int32 request-row table, allocated on the device after the pool is sized."""
+    return req_table_rows(config) * max_context_len * torch.tensor([], dtype=torch.int32).element_size()
+
+
+def reserve_bytes(mc: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
+                  max_context_len: int, graph_bytes: int = 0) -> int:
+    """What must stay free beside weights and KV: the activations of the largest forward, fp32
+    logits and the sampler's copies of them for a full decode batch, the request-row table,
+    what CUDA graphs keep for their life (`graph_bytes`, runner/graph_memory.py), and on CUDA
+    a fixed 1 GiB for the attention workspace and allocator slack."""
     tokens = max(config.max_forward_tokens, config.max_running_requests)
     logits = 3 * config.max_running_requests * mc.vocab_size * 4
-    return tokens * per_token + logits + ((1 << 30) if device.type == "cuda" else 0)
+    fixed = (1 << 30) if device.type == "cuda" else 0
+    return (tokens * activation_bytes_per_token(mc, dtype) + logits + req_table_bytes(config, max_context_len)
+            + graph_bytes + fixed)
 
 
 def kv_budget_bytes(total: int, free: int, weight_bytes: int, fraction: float, reserve: int) -> int:
@@ -61,8 +79,9 @@ def kv_budget_bytes(total: int, free: int, weight_bytes: int, fraction: float, r
 
 
 def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
-                    weight_bytes: int, max_context_len: int) -> KVMemory:
-    """The pool gets config.max_total_tokens, or what kv_budget_bytes leaves (capped on CPU)."""
+                    weight_bytes: int, max_context_len: int, graph_bytes: int = 0) -> KVMemory:
+    """The pool gets config.max_total_tokens, or what kv_budget_bytes leaves (capped on CPU);
+    `graph_bytes` is what the runner's CUDA graphs will hold, 0 without them."""
     mc, P = model_config, config.page_size
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
@@ -70,13 +89,11 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
         per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=dtype).element_size()
         total, free = device_memory(device)
         budget = kv_budget_bytes(total, free, weight_bytes, config.mem_fraction_static,
-                                 reserve_bytes(mc, config, dtype, device))
+                                 reserve_bytes(mc, config, dtype, device, max_context_len, graph_bytes))
         tokens = max(budget // per_token, 4 * P)
         if device.type == "cpu":
             tokens = min(tokens, CPU_AUTO_MAX_TOKENS)
     num_pages = -(-tokens // P) + 1  # +1: the reserved page 0
     kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-    # Twice the running cap: rows of requests that finished in one step are held
-    # (not reusable) until the next result, while a full batch is admitted.
-    req_table = ReqToTokenPool(2 * config.max_running_requests, max_context_len, device)
+    req_table = ReqToTokenPool(req_table_rows(config), max_context_len, device)
     return KVMemory(kv_pool, req_table)

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.attention import create_backend
+from tandem.engine.attention import choose_backend, create_backend, flashinfer_installed
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kernels import cpu_plan
 from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
+from tandem.engine.runner.graph_memory import graph_memory
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
@@ -79,10 +80,23 @@ class ModelRunner:
         # Packed linears keep their weights as buffers, so count both.
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
 
+    def plans_cuda_graphs(self) -> bool:
+        """Whether `attach` will capture CUDA graphs; known before the pool is sized, since the
+        graphs keep memory the pool must leave free. FlashInfer is the backend with graph hooks."""
+        if self.device.type != "cuda" or self.config.disable_cuda_graph:
+            return False
+        chosen = choose_backend(self.config.attention_backend, "cuda", self.dtype, self.head_dim,
+                                flashinfer_installed())
+        return chosen == "flashinfer"
+
     def size_kv_memory(self) -> KVMemory:
-        """KV memory sized for this model on this device (kvcache/kv_memory.py)."""
+        """KV memory sized for this model on this device (kvcache/kv_memory.py), around what
+        the CUDA graphs will hold (runner/graph_memory.py)."""
+        graphs = 0
+        if self.plans_cuda_graphs():
+            graphs = graph_memory(self.model_config, self.config, self.dtype, self.max_context_len).total
         return build_kv_memory(self.model_config, self.config, self.dtype, self.device, self.weight_bytes(),
-                               self.max_context_len)
+                               self.max_context_len, graphs)
 
     def attach(self, memory: KVMemory) -> None:
         """Use `memory` for every forward; builds the attention backend (and CUDA graphs) over it."""

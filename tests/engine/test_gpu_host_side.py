@@ -38,10 +38,40 @@ def test_reserve_covers_activations_logits_and_graphs_on_cuda(model_path) -> Non
     small = RunnerConfig(max_running_requests=8, max_forward_tokens=512)
     big = RunnerConfig(max_running_requests=256, max_forward_tokens=8192)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert reserve_bytes(mc, big, BF16, cpu) > reserve_bytes(mc, small, BF16, cpu) > 0
-    assert reserve_bytes(mc, big, BF16, cuda) - reserve_bytes(mc, big, BF16, cpu) == GIB
+    assert reserve_bytes(mc, big, BF16, cpu, 1024) > reserve_bytes(mc, small, BF16, cpu, 1024) > 0
+    assert reserve_bytes(mc, big, BF16, cuda, 1024) - reserve_bytes(mc, big, BF16, cpu, 1024) == GIB
     chunked = EngineConfig(chunked_prefill_size=4096, max_prefill_tokens=2048)
     assert chunked.runner_config().max_forward_tokens == 4096
+
+
+def test_reserve_counts_the_row_table_and_what_graphs_hold(model_path, monkeypatch) -> None:
+    """Both are allocated after the pool is sized. The row table is 2 x max_running_requests
+    rows of max_context_len int32; the graphs' bytes (runner/graph_memory.py) are reserved
+    exactly when the runner will capture graphs, and the pool shrinks by them."""
+    from tandem.engine.kvcache import kv_memory
+    from tandem.engine.runner.graph_memory import graph_memory
+    from tandem.engine.runner.model_runner import ModelRunner
+
+    mc = ModelConfig.from_pretrained(model_path("tiny"))
+    cfg = RunnerConfig(max_running_requests=64, max_forward_tokens=512)
+    cuda = torch.device("cuda")
+    assert reserve_bytes(mc, cfg, BF16, cuda, 4096) - reserve_bytes(mc, cfg, BF16, cuda, 1024) == 2 * 64 * 3072 * 4
+    graphs = graph_memory(mc, cfg, BF16, 1024).total
+    with_graphs = reserve_bytes(mc, cfg, BF16, cuda, 1024, graphs)
+    assert graphs > 0 and with_graphs - reserve_bytes(mc, cfg, BF16, cuda, 1024) == graphs
+
+    runner = ModelRunner(model_path("tiny"), RunnerConfig(dtype="bfloat16", device="cpu", max_running_requests=8,
+                                                          max_forward_tokens=64, max_context_len=256))
+    per_token = mc.num_layers * 2 * mc.kv_size * 2
+    graphs = graph_memory(mc, runner.config, BF16, 256).total
+    spare = 1000 * per_token
+    free = reserve_bytes(mc, runner.config, BF16, runner.device, 256) + graphs + spare
+    monkeypatch.setattr(kv_memory, "device_memory", lambda device: (1 << 50, free))
+    sized = {}
+    for on in (False, True):
+        monkeypatch.setattr(ModelRunner, "plans_cuda_graphs", lambda self, on=on: on)
+        sized[on] = runner.size_kv_memory().kv_pool.capacity_tokens
+    assert (sized[False], sized[True]) == ((graphs + spare) // per_token, 1000)
 
 
 # ---- chunked prefill default --------------------------------------------------------------------

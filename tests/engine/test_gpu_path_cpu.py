@@ -177,6 +177,30 @@ def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
     assert backend.workspace.numel() > 0 and not backend.workspace.any()
 
 
+def test_graph_memory_counts_what_the_graph_runner_allocates(model_path, monkeypatch) -> None:
+    """The reserve's count of graph-owned memory (runner/graph_memory.py) against the buffers a
+    FlashInfer graph runner really holds: static inputs, the shared page-table buffers, one
+    logits output per bucket. The pool's activations exist only on a GPU: estimated, not measured."""
+    import fake_flashinfer
+
+    from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tandem.engine.runner.graph_memory import graph_memory
+
+    fake_flashinfer.install(monkeypatch)
+    cfg = RunnerConfig(dtype="bfloat16", device="cpu", page_size=16, max_total_tokens=1024,
+                       max_running_requests=40, max_context_len=200)
+    runner = ModelRunner.load(model_path("tiny"), cfg)
+    runner.attn_backend = FlashInferAttentionBackend(runner)
+    graphs = CudaGraphRunner(runner, cfg.graph_max_bs, capture=_ReRun())
+    largest = graphs.states[graphs.max_bs]
+    counted = graph_memory(runner.model_config, cfg, BF16, runner.max_context_len)
+    assert counted.inputs == sum(b.nbytes for b in graphs.inputs.buffers())
+    assert counted.index == sum(t.untyped_storage().nbytes() for t in (largest.indptr, largest.indices, largest.last))
+    outputs = sum(o.nbytes for o in graphs.outputs.values())
+    assert counted.outputs == outputs == (1 + 2 + 4 + 8 + 16 + 32 + 40) * runner.vocab_size * 4
+    assert counted.pool > 0 and counted.total == counted.inputs + counted.index + counted.outputs + counted.pool
+
+
 def test_forward_under_graphs_returns_the_static_output_until_the_next_forward(model_path) -> None:
     """The documented contract of ModelRunner.forward: a view, overwritten by the next replay."""
     runner = _runner(model_path)
