@@ -189,7 +189,8 @@ KV_TRANSFER = obj(
         "backend": string(enum=("nixl",), default="nixl"),
         "ucx": obj({
             "transports": {"type": "array", "items": {"type": "string"},
-                           "description": "UCX_TLS, e.g. [rc, cuda_copy, cuda_ipc]; empty lets UCX choose."},
+                           "description": "UCX_TLS, e.g. [rc, cuda_copy, cuda_ipc, tcp]; keep tcp last as the "
+                                          "fallback where RDMA is missing. Empty lets UCX choose."},
             "devices": {"type": "array", "items": {"type": "string"},
                         "description": "UCX_NET_DEVICES, e.g. [mlx5_0:1]; empty lets UCX choose."},
         }, default={}),

@@ -155,7 +155,7 @@ def test_engine_args_go_to_the_configmap_in_sglang_names() -> None:
     assert (prefill["tp_size"], decode["tp_size"]) == (4, 2)
     assert prefill["kv_transfer"] == {"backend": "nixl", "port_base": 17000, "port_count": 128}
     env = {e["name"]: e.get("value") for e in container(kids[("Deployment", "llama3-70b-decode")])["env"]}
-    assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc" and env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
+    assert env["UCX_TLS"] == "rc,cuda_copy,cuda_ipc,tcp" and env["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
 
 
 def test_a_compatibility_change_starts_a_new_generation(minimal_cr: dict[str, Any]) -> None:
