@@ -19,7 +19,9 @@ class ReqToTokenPool:
     table from `req_to_token` on the worker thread); reusing the row at once would let
     the next batch's construction rewrite it under that forward. The scheduler reclaims
     at the start of each result it processes, when every batch launched before the
-    frees has completed."""
+    frees has completed, and whenever no batch is in flight (a failed batch has no result
+    to process). Admission counts only free rows, so a held row delays a request, never
+    fails it."""
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str,
                  host_mirror: bool | None = None) -> None:

@@ -61,6 +61,10 @@ class CacheManager:
     def capacity_tokens(self) -> int:
         return self.kv_pool.capacity_tokens
 
+    def free_rows(self) -> int:
+        """Request rows a new request can take now; held rows are not among them."""
+        return self.req_to_token_pool.available_size()
+
     def usage(self) -> float:
         used = self.capacity_tokens() - self.allocator.available_size() - self.tree.evictable_size()
         return used / self.capacity_tokens()

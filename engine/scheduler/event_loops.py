@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 def event_loop_normal(s: Scheduler) -> None:
     while s.running:
         s.process_input_requests(s.recv_requests(block=s.idle()))
+        # Nothing launched still runs: rows held since the last result are reusable, also
+        # those of a batch that failed and so never had its result processed.
+        s.cache.reclaim_rows()
         t0 = time.perf_counter()
         batch = s.faults.build(s.get_next_batch_to_run)
         t1 = time.perf_counter()
@@ -86,6 +89,9 @@ def event_loop_overlap(s: Scheduler) -> None:
             if in_flight and (len(in_flight) > 1 or batch is None):
                 pop_and_process()
             elif batch is None and not in_flight:
+                # Nothing runs: rows still held (a failed batch's, never processed) are reusable;
+                # requests admission turned away for want of a row would otherwise wait forever.
+                s.cache.reclaim_rows()
                 s.self_check_during_idle()
         finally:
             if mask is not None:  # only N is in flight now: every matcher is current
