@@ -31,7 +31,7 @@ def event_loop_normal(s: Scheduler) -> None:
         s.process_input_requests(s.recv_requests(block=s.idle()))
         # Nothing launched still runs: rows held since the last result are reusable, also
         # those of a batch that failed and so never had its result processed.
-        s.cache.reclaim_rows()
+        s.cache.reclaim()
         t0 = time.perf_counter()
         batch = s.faults.build(s.get_next_batch_to_run)
         t1 = time.perf_counter()
@@ -91,7 +91,7 @@ def event_loop_overlap(s: Scheduler) -> None:
             elif batch is None and not in_flight:
                 # Nothing runs: rows still held (a failed batch's, never processed) are reusable;
                 # requests admission turned away for want of a row would otherwise wait forever.
-                s.cache.reclaim_rows()
+                s.cache.reclaim()
                 s.self_check_during_idle()
         finally:
             if mask is not None:  # only N is in flight now: every matcher is current
