@@ -106,7 +106,8 @@ class ModelRunner:
         config, mc = self.config, self.model_config
         self.attn_backend = create_backend(config.attention_backend, self)
         self.graph_runner = None
-        if self.device.type == "cuda" and not config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+        if self.plans_cuda_graphs():  # decided once: the pool was sized around the graphs
+            assert self.attn_backend.supports_cuda_graph
             from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, config.graph_max_bs)

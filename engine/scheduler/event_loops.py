@@ -62,7 +62,9 @@ def event_loop_overlap(s: Scheduler) -> None:
         while in_flight and s.all_finished():
             pop_and_process()  # only finished requests' steps: settle them before a flush looks
         if not in_flight:
-            s.cache.reclaim()  # nothing launched still runs: idle or waiting, nothing stays held
+            # Nothing launched still runs: what is held is reusable, also a failed batch's rows,
+            # which no result reclaims (admission would otherwise turn requests away for ever).
+            s.cache.reclaim()
         s.process_input_requests(s.recv_requests(block=s.idle()))
         t = time.perf_counter()
         batch = s.faults.build(s.get_next_batch_to_run)
@@ -89,9 +91,6 @@ def event_loop_overlap(s: Scheduler) -> None:
             if in_flight and (len(in_flight) > 1 or batch is None):
                 pop_and_process()
             elif batch is None and not in_flight:
-                # Nothing runs: rows still held (a failed batch's, never processed) are reusable;
-                # requests admission turned away for want of a row would otherwise wait forever.
-                s.cache.reclaim()
                 s.self_check_during_idle()
         finally:
             if mask is not None:  # only N is in flight now: every matcher is current

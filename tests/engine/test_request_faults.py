@@ -12,26 +12,13 @@ import threading
 from typing import Any
 
 import pytest
-from engine_checks import assert_whole
+from engine_checks import assert_whole, submit_together
 
 from tandem import Engine
 
 BAD_SEED = 4242  # the marker of the request whose batches fail
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = {"good": [5, 6, 7, 8, 9], "bad": [11, 12, 13], "later": [20, 21, 22, 23]}
-
-
-def _submit_together(eng: Engine, jobs: list[tuple[list[int], dict]]) -> list[tuple[list[int], Any]]:
-    """Submit `jobs` while the loop waits at a gate, so that it receives them in one go: the
-    first max_running_requests of them share a batch. Each job's tokens and last output."""
-    sched = eng.scheduler
-    plain, at_gate, gate = sched.recv_requests, threading.Event(), threading.Event()
-    sched.recv_requests = lambda block: (at_gate.set(), gate.wait(), plain(block))[2]
-    assert at_gate.wait(30), "the scheduler loop never came back to receive"
-    handles = [eng.submit(ids, sp) for ids, sp in jobs]
-    del sched.recv_requests
-    gate.set()
-    return [h.result(timeout=60) for h in handles]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["normal", "overlap"])
@@ -88,7 +75,7 @@ def test_a_failing_batch_fails_alone(shared, stage: str, monkeypatch) -> None:
     _inject(eng.scheduler, stage, monkeypatch)
     bad = {**GREEDY, "seed": BAD_SEED}
     # good and bad share every batch (max_running_requests=2); later waits for a slot.
-    (good_ids, good), (bad_ids, bad_out), (later_ids, later) = _submit_together(
+    (good_ids, good), (bad_ids, bad_out), (later_ids, later) = submit_together(
         eng, [(PROMPTS["good"], GREEDY), (PROMPTS["bad"], bad), (PROMPTS["later"], GREEDY)])
     for ids, out, name in ((good_ids, good, "good"), (bad_ids, bad_out, "bad")):
         assert out.finish_reason["kind"] == "abort" and "injected" in out.finish_reason["message"], out

@@ -5,13 +5,12 @@ batches (both loops)."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
+from engine_checks import submit_together
 
-from tandem import Engine
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
@@ -54,18 +53,6 @@ def test_prefill_admits_no_more_requests_than_free_rows() -> None:
     assert batch is not None and [r.rid for r in batch.reqs] == ["r1", "r2"]
 
 
-def _submit_together(eng: Engine, jobs: list[tuple[list[int], dict]]) -> list[Any]:
-    """Submit `jobs` while the loop waits at a gate, so that it receives them in one go."""
-    sched = eng.scheduler
-    plain, at_gate, gate = sched.recv_requests, threading.Event(), threading.Event()
-    sched.recv_requests = lambda block: (at_gate.set(), gate.wait(), plain(block))[2]
-    assert at_gate.wait(30), "the scheduler loop never came back to receive"
-    handles = [eng.submit(ids, sp) for ids, sp in jobs]
-    del sched.recv_requests
-    gate.set()
-    return [h.result(timeout=60)[1] for h in handles]
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_failing_batches_do_not_use_up_the_rows(engine, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three batches in a row fail in their forward: each one's rows are held and no result
@@ -82,7 +69,7 @@ def test_failing_batches_do_not_use_up_the_rows(engine, overlap: bool, monkeypat
 
     monkeypatch.setattr(sched.worker, "forward_batch_generation", failing_forward)
     bad = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True, "seed": BAD_SEED}
-    lasts = _submit_together(eng, [([20 + i] * 16, bad) for i in range(12)])
+    lasts = [last for _, last in submit_together(eng, [([20 + i] * 16, bad) for i in range(12)])]
     assert [out.finish_reason["kind"] for out in lasts] == ["abort"] * 12
 
     outs = eng.generate([[30 + i] * 16 for i in range(4)], {"max_new_tokens": 8, "temperature": 0.0,
