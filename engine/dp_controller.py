@@ -11,7 +11,9 @@ load_balance_method:
                            on the same rank on both sides)
 
 The HTTP server runs its schedulers this way even for dp_size 1, so no model work
-shares the front's process. The counts are the controller's own bookkeeping of what it dispatched and saw
+shares the front's process. With tp_size > 1 each DP rank is tp_size processes, one
+tensor-parallel group; the controller talks to the group's rank 0 only (engine/parallel/).
+The counts are the controller's own bookkeeping of what it dispatched and saw
 finish, so dispatch never waits on a round trip to the ranks.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -77,6 +80,19 @@ class DPBudget:
         self.total_tokens[rank] -= tokens
 
 
+def tp_rendezvous(config: EngineConfig, dp_rank: int) -> str | None:
+    """Where DP rank `dp_rank`'s tensor-parallel group meets: dist_init_addr's port + dp_rank,
+    or a free loopback port (all ranks on this machine)."""
+    if config.tp_size == 1:
+        return None
+    if config.dist_init_addr is not None:
+        host, _, port = config.dist_init_addr.rpartition(":")
+        return f"{host}:{int(port) + dp_rank}"
+    with socket.socket() as s:  # the port is free now; rank 0 binds it within a second
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 class DataParallelController:
     def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None],
                  attach: AttachRole | None = None, threads: int | None = None, ready_timeout: float = 600.0) -> None:
@@ -104,12 +120,14 @@ class DataParallelController:
             s = self.ctx.socket(zmq.PUSH)
             s.bind(addr)
             self.pushes.append(s)
-            p = spawn.Process(
-                target=run_scheduler_process, args=(config, model_path, rank, addr, out_addr, attach, threads),
-                daemon=True,
-            )
-            p.start()
-            self.procs.append(p)
+            dist_addr = tp_rendezvous(config, rank)
+            for tp_rank in range(config.tp_size):
+                p = spawn.Process(
+                    target=run_scheduler_process, daemon=True,
+                    args=(config, model_path, rank, addr, out_addr, attach, threads, tp_rank, dist_addr),
+                )
+                p.start()
+                self.procs.append(p)
         self.info = self._wait_ready(ready_timeout)
         self._routes = {GenerateReq: self._send_generate, AbortReq: self._send_abort}
         self._stopping = threading.Event()

@@ -54,7 +54,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = False
-        if self.config.dp_size > 1:
+        if self.config.dp_size > 1 or self.config.tp_size > 1:
             from tandem.engine.dp_controller import DataParallelController
 
             self._backend: SchedulerClient = DataParallelController(

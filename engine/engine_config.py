@@ -39,7 +39,13 @@ class EngineConfig:
     enable_priority_scheduling: bool = False
     priority_scheduling_preemption_threshold: int = 10
     dp_size: int = 1
-    base_gpu_id: int = 0  # CUDA: DP rank r runs on GPU base_gpu_id + r (engine/device_map.py)
+    # Tensor parallelism (engine/parallel/, docs/tp.md): tp_size processes per DP rank, one GPU
+    # each, rendezvous at dist_init_addr ("host:port"; DP rank r uses port + r). None: a free
+    # loopback port, for ranks that all run on this machine.
+    tp_size: int = 1
+    dist_init_addr: str | None = None
+    debug_tp_digest: bool = False  # ranks compare a digest of every batch (parallel/digest.py)
+    base_gpu_id: int = 0  # CUDA: DP rank r, TP rank t runs on GPU base_gpu_id + r * tp_size + t (device_map.py)
     load_balance_method: str = "round_robin"
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
@@ -80,6 +86,12 @@ class EngineConfig:
             raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 1024 <= int(port) <= 65535 - self.dp_size:
+                raise ValueError(f"dist_init_addr must be host:port with a port in 1024..{65535 - self.dp_size}")
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must be >= 0")
         if self.schedule_conservativeness <= 0:
@@ -134,9 +146,7 @@ class EngineConfig:
         """The engine options of a worker-contract engine.yaml (what the operator mounts), with
         command-line `overrides` on top; the contract's own keys come back beside them."""
         doc = EngineYaml.parse(text)
-        if doc.tp_size != 1:
-            raise ValueError(f"tp_size={doc.tp_size}: tensor parallelism is not supported by this engine yet")
-        return cls.from_kwargs(**{**doc.engine_args, **overrides}), doc
+        return cls.from_kwargs(**{"tp_size": doc.tp_size, **doc.engine_args, **overrides}), doc
 
 
 def default_chunked_prefill_size(device: Any, total_memory: int | None = None) -> int:

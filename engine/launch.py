@@ -2,7 +2,8 @@
 
     build_scheduler(config, model_path, inbox, emit, attach) the one place a Scheduler is built
     InProcessScheduler    a scheduler on a thread of this process (the offline Engine, dp_size 1)
-    run_scheduler_process one scheduler process fed over zmq (the DP controller's ranks, the server)
+    run_scheduler_process one scheduler process fed over zmq (the DP controller's ranks, the server);
+                          under tensor parallelism one per TP rank, of which rank 0 is fed
 
 Every client satisfies `SchedulerClient`: `send` a protocol message, outputs come
 back through the `emit` callback it was built with, `error` says why it stopped.
@@ -39,10 +40,12 @@ class SchedulerClient(Protocol):
 
 
 def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emit,
-                    attach: AttachRole | None = None, dp_rank: int = 0) -> Any:
+                    attach: AttachRole | None = None, dp_rank: int = 0, tp_rank: int = 0,
+                    dist_addr: str | None = None) -> Any:
     """Load the model and wire a Scheduler; `attach` composes in a PD role's transfer part
     (prefill/role.py, decode/role.py: the caller picks it, the engine knows neither).
-    The rank's GPU is made current first, so the weights, the KV pool and its sizing are on it."""
+    The rank's GPU is made current first, so the weights, the KV pool and its sizing are on it.
+    With tp_size > 1 the rank joins its replica's group at `dist_addr` first."""
     from transformers import AutoTokenizer
 
     from tandem.engine.runner.model_runner import ModelRunner
@@ -59,9 +62,14 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
                 tokenizer.append(AutoTokenizer.from_pretrained(model_path))
             return tokenizer[0]
 
-    device = rank_device(config, dp_rank)
+    import torch
+
+    from tandem.engine.parallel.group import TPGroup
+
+    device = rank_device(config, dp_rank, tp_rank)
     bind_device(device)
-    runner = ModelRunner(model_path, dataclasses.replace(config.runner_config(), device=device))
+    tp = TPGroup.init(tp_rank, config.tp_size, dist_addr or "", torch.device(device))
+    runner = ModelRunner(model_path, dataclasses.replace(config.runner_config(), device=device), tp)
     memory = runner.size_kv_memory()
     runner.attach(memory)
     sched = Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
@@ -177,28 +185,56 @@ def cpu_budget() -> int:
 
 
 def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_addr: str, out_addr: str,
-                          attach: AttachRole | None = None, threads: int | None = None) -> None:
+                          attach: AttachRole | None = None, threads: int | None = None,
+                          tp_rank: int = 0, dist_addr: str | None = None) -> None:
     """Entry point of one scheduler process: messages in over zmq PULL, outputs out over
     PUSH. Its first output is AdminResult("ready-<rank>") carrying scheduler_info, or
-    ok=False with the error if the model failed to load."""
+    ok=False with the error if the model failed to load. Under tensor parallelism only TP
+    rank 0 reads and answers; the other ranks get its inputs by broadcast (parallel/tick.py)
+    and speak only to say that they failed."""
     import torch
     import zmq
 
     fix_malloc_mmap_threshold()
-    torch.set_num_threads(threads or max(1, cpu_budget() // config.dp_size))
+    torch.set_num_threads(threads or max(1, cpu_budget() // (config.dp_size * config.tp_size)))
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
     inbox: queue.Queue = queue.Queue()
-    emit = lambda outs: push.send_multipart([encode(o) for o in outs])  # noqa: E731
+    leader = tp_rank == 0
+    # Connected before the model loads: the front sends as soon as it reads "ready", and a
+    # PUSH with no pipe yet would find this rank unreachable.
+    pull = ctx.socket(zmq.PULL) if leader else None
+    if pull is not None:
+        pull.connect(in_addr)
+    who = f"{rank}" if config.tp_size == 1 else f"{rank}.tp{tp_rank}"
+    emit = (lambda outs: push.send_multipart([encode(o) for o in outs])) if leader else (lambda outs: None)
     try:
-        sched = build_scheduler(config, model_path, inbox, emit, attach=attach, dp_rank=rank)
+        sched = build_scheduler(config, model_path, inbox, emit, attach=attach, dp_rank=rank,
+                                tp_rank=tp_rank, dist_addr=dist_addr)
     except Exception as exc:
         push.send_multipart([encode(AdminResult(f"ready-{rank}", False, {"error": f"{type(exc).__name__}: {exc}"}))])
         push.close(linger=2000)
         raise
+    try:
+        if leader:
+            serve_inbox(pull, inbox)
+            push.send_multipart([encode(AdminResult(f"ready-{rank}", True, scheduler_info(sched)))])
+        sched.run()
+    except BaseException as exc:  # a fault batch_faults.py does not contain: this worker must go
+        fatal = AdminResult(f"{FATAL}{who}", False, {"error": f"{type(exc).__name__}: {exc}"})
+        try:
+            push.send_multipart([encode(fatal)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # no front left to tell; blocking here would keep this process alive
+            pass
+        raise
+    finally:
+        push.close(linger=1000)
+        sched.tp.close()
 
+
+def serve_inbox(pull: Any, inbox: queue.Queue) -> None:
+    """A thread that moves the front's messages from zmq into the scheduler's inbox."""
     parent = os.getppid()
 
     def pump() -> None:
@@ -214,15 +250,3 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
                 return
 
     threading.Thread(target=pump, daemon=True).start()
-    push.send_multipart([encode(AdminResult(f"ready-{rank}", True, scheduler_info(sched)))])
-    try:
-        sched.run()
-    except BaseException as exc:  # a fault batch_faults.py does not contain: this worker must go
-        fatal = AdminResult(f"{FATAL}{rank}", False, {"error": f"{type(exc).__name__}: {exc}"})
-        try:
-            push.send_multipart([encode(fatal)], zmq.NOBLOCK)
-        except zmq.ZMQError:  # no front left to tell; blocking here would keep this process alive
-            pass
-        raise
-    finally:
-        push.close(linger=1000)

@@ -39,6 +39,9 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(repr=False, compare=False, hash=False)
+    # Set on a tensor-parallel rank's view (`for_rank`): the heads, intermediate size and
+    # vocabulary rows above are then this rank's, and `shard` says which (parallel/shard.py).
+    shard: Any = field(default=None, repr=False, compare=False, hash=False)
 
     @property
     def q_size(self) -> int:
@@ -47,6 +50,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.shard is None else self.shard.size
+
+    def for_rank(self, rank: int, size: int) -> ModelConfig:
+        """This config as tensor-parallel rank `rank` of `size` sees it: its own heads, KV heads
+        and MLP width (the vocabulary stays whole: the LM head's logits are gathered)."""
+        from dataclasses import replace
+
+        from tandem.engine.parallel.shard import plan_shard
+
+        if self.shard is not None:
+            raise ValueError("this config is a rank's view already")
+        if size == 1:
+            return self
+        s = plan_shard(rank, size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size)
+        return replace(self, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                       intermediate_size=s.intermediate_size, shard=s)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:

@@ -76,22 +76,38 @@ class GrammarQueue:
 
     def poll(self) -> tuple[list[tuple[Any, Matcher]], list[tuple[Any, str]]]:
         """(ready items with their matchers, failed items with the reason)."""
+        return self.settle(self.decide())
+
+    def decide(self) -> list[tuple[str, str | None]]:
+        """Which waiting grammars are done now: (rid, None) compiled, (rid, why) failed.
+        Tensor-parallel rank 0 decides for every rank (engine/parallel/tick.py)."""
+        out: list[tuple[str, str | None]] = []
+        now = time.monotonic()
+        for rid, w in self.waiting.items():
+            if w.future.done():
+                exc = w.future.exception()
+                out.append((rid, None if exc is None else str(exc) if isinstance(exc, GrammarError)
+                            else f"could not compile the {w.key[0]}: {exc}"))
+            elif now >= w.deadline:
+                out.append((rid, f"compiling the {w.key[0]} took longer than {self.timeout:g} s"))
+        return out
+
+    def settle(self, verdicts: list[tuple[str, str | None]]) -> tuple[list[tuple[Any, Matcher]], list[tuple[Any, str]]]:
+        """Apply `verdicts` (decide()'s, or rank 0's): a grammar said compiled is waited for
+        here if this process's compile is still running; one that failed leaves the cache so
+        that a later request may try again."""
         ready: list[tuple[Any, Matcher]] = []
         failed: list[tuple[Any, str]] = []
-        now = time.monotonic()
-        for rid, w in list(self.waiting.items()):
-            if w.future.done():
-                del self.waiting[rid]
-                exc = w.future.exception()
-                if exc is None:
-                    ready.append((w.item, self.backend().matcher(w.future.result())))
-                else:
-                    failed.append((w.item, str(exc) if isinstance(exc, GrammarError)
-                                   else f"could not compile the {w.key[0]}: {exc}"))
-            elif now >= w.deadline:
-                del self.waiting[rid]
-                self.cache.pop(w.key, None)  # a later request may try again
-                failed.append((w.item, f"compiling the {w.key[0]} took longer than {self.timeout:g} s"))
+        for rid, why in verdicts:
+            w = self.waiting.pop(rid, None)
+            if w is None:
+                raise RuntimeError(f"grammar verdict for {rid!r}, which is not waiting here")
+            if why is None:
+                ready.append((w.item, self.backend().matcher(w.future.result())))
+            else:
+                if not w.future.done():
+                    self.cache.pop(w.key, None)
+                failed.append((w.item, why))
         return ready, failed
 
     def abort(self, rid: str) -> Any | None:

@@ -10,6 +10,7 @@ transfer agent registers `kv_pool.layout()`; none of them creates it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,9 +80,11 @@ def kv_budget_bytes(total: int, free: int, weight_bytes: int, fraction: float, r
 
 
 def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
-                    weight_bytes: int, max_context_len: int, graph_bytes: int = 0) -> KVMemory:
+                    weight_bytes: int, max_context_len: int, graph_bytes: int = 0,
+                    agree: Callable[[int], int] = lambda tokens: tokens) -> KVMemory:
     """The pool gets config.max_total_tokens, or what kv_budget_bytes leaves (capped on CPU);
-    `graph_bytes` is what the runner's CUDA graphs will hold, 0 without them."""
+    `graph_bytes` is what the runner's CUDA graphs will hold, 0 without them. `agree` turns this
+    process's token count into the one every tensor-parallel rank uses (their minimum)."""
     mc, P = model_config, config.page_size
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
@@ -93,7 +96,7 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
         tokens = max(budget // per_token, 4 * P)
         if device.type == "cpu":
             tokens = min(tokens, CPU_AUTO_MAX_TOKENS)
-    num_pages = -(-tokens // P) + 1  # +1: the reserved page 0
+    num_pages = -(-agree(tokens) // P) + 1  # +1: the reserved page 0
     kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
     req_table = ReqToTokenPool(req_table_rows(config), max_context_len, device)
     return KVMemory(kv_pool, req_table)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.kernels import cpu_kernels, cpu_plan
+from tandem.engine.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -106,22 +107,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up fused into one matmul."""
+    """SwiGLU MLP with gate and up fused into one matmul. Under tensor parallelism
+    `intermediate` is this rank's share (gate/up column-parallel, down row-parallel) and
+    `tp` sums the ranks' partial outputs."""
 
     use_kernel = False
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.tp = tp
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_kernel:
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(cpu_kernels.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 def row_bucket(n: int) -> int:

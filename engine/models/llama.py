@@ -36,15 +36,17 @@ from tandem.engine.models.layers import (
     bucketed,
     row_bucket,
 )
+from tandem.engine.parallel.group import SINGLE, TPGroup
 
 
 class Attention(nn.Module):
     use_kernel = False  # fused qk-norm + RoPE, in place on the qkv rows
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.cfg = cfg
+        self.tp = tp  # cfg's heads are this rank's: qkv is column-parallel, o row-parallel
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -80,14 +82,14 @@ class Attention(nn.Module):
         o = backend.forward(q, k, v, self.layer_id, batch)
         if qkv.shape[0] != n:
             o = F.pad(o, (0, 0, 0, qkv.shape[0] - n))
-        return self.o_proj(o)
+        return self.tp.all_reduce(self.o_proj(o))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,18 +113,22 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     use_kernels = False
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp
+        # Under tensor parallelism the embedding and the LM head hold this rank's vocabulary
+        # rows (cfg.shard.vocab), padded past the vocabulary with zero rows.
+        rows = cfg.vocab_size if cfg.shard is None else cfg.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with torch.device("cpu"):  # real tables even when the model is built on meta
             self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.packed_head: PackedLinear | None = None
 
     def pack_lm_head(self) -> None:
@@ -159,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         bucket = ids.device.type == "cpu" and self.embed_tokens.weight.dtype != torch.float32
         if bucket:
             ids = F.pad(ids, (0, row_bucket(ids.shape[0]) - ids.shape[0]))
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         rope = self.rope.for_batch(batch.positions, x.dtype, self.use_kernels)
         residual = None
         for layer in self.layers:
@@ -172,4 +178,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             head = lambda h: torch.nn.functional.linear(h, self.lm_head.weight)  # noqa: E731
             logits = bucketed(head, x) if bucket else head(x)
+        if self.cfg.shard is not None:  # each rank's vocabulary columns, in rank order
+            logits = self.tp.all_gather(logits)[:, : self.cfg.vocab_size]
         return logits.float()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under tensor parallelism each rank looks up the ids in its rows,
+        zeroes the others, and the sum over ranks is the whole lookup."""
+        if self.cfg.shard is None:
+            return self.embed_tokens(ids)
+        lo, hi = self.cfg.shard.vocab
+        mine = (ids >= lo) & (ids < hi)
+        x = self.embed_tokens((ids - lo) * mine)
+        return self.tp.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))

@@ -1,7 +1,8 @@
 """Load HF checkpoints (ours or real Qwen/Llama ones) into the native model.
 
 HF stores q/k/v and gate/up as separate tensors; the native model fuses them,
-so each checkpoint tensor is copied into a row range of a fused parameter:
+so each checkpoint tensor is copied into a row range of a fused parameter (under tensor
+parallelism, of this rank's share: the sizes below are then the rank's, parallel/shard.py):
 
     qkv_proj rows:     [0, q_size) q | [q_size, q_size+kv_size) k | [.., +kv_size) v
     gate_up_proj rows: [0, inter) gate | [inter, 2*inter) up
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +21,7 @@ from torch import nn
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.parallel.group import SINGLE, TPGroup
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -36,7 +39,9 @@ _FUSED = {
 }
 
 
-def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every tensor: reading one (`[...]`, `[a:b]`, `[:, a:b]`) loads
+    only those rows or columns, so a tensor-parallel rank never holds a whole checkpoint."""
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
     if files is None:
@@ -46,7 +51,33 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key)
+
+
+# Row-parallel weights: this rank reads a range of their input columns (dim 1).
+_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _read(cfg: ModelConfig, name: str, tensor: Any, fused: tuple[str, int] | None) -> torch.Tensor:
+    """The part of checkpoint tensor `name` this rank holds (all of it without TP)."""
+    s = cfg.shard
+    if s is None:
+        return tensor[:]
+    d = cfg.head_dim
+    prefix = name.rpartition(".")[0]
+    if fused is not None:  # column-parallel: q, k, v, gate, up (weights and biases) by rows
+        lo, hi = {0: s.q_heads, 1: s.kv_heads, 2: s.kv_heads}[fused[1]] if "qkv" in fused[0] else s.intermediate
+        scale = d if "qkv" in fused[0] else 1
+        return tensor[lo * scale: hi * scale]
+    if prefix.endswith(_ROW_PARALLEL):
+        lo, hi = s.q_heads if prefix.endswith("o_proj") else s.intermediate
+        scale = d if prefix.endswith("o_proj") else 1
+        return tensor[:, lo * scale: hi * scale]
+    if name in ("embed_tokens.weight", "lm_head.weight"):  # vocabulary rows; past the end: zeros
+        lo, hi = s.vocab
+        part = tensor[lo: min(hi, s.vocab_size)]
+        return torch.nn.functional.pad(part, (0, 0, 0, hi - lo - part.shape[0]))
+    return tensor[:]  # norms: every rank holds them whole
 
 
 def _shard_rows(cfg: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
@@ -58,10 +89,12 @@ def _shard_rows(cfg: ModelConfig, fused: str, shard: int) -> tuple[int, int]:
     return start, start + sizes[shard]
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int) -> nn.Module:
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               tp: TPGroup = SINGLE) -> nn.Module:
+    """The model, or with `cfg` a rank's view (ModelConfig.for_rank) this rank's shard of it."""
     cls = MODEL_REGISTRY[cfg.architecture]
     with torch.device("meta"):
-        model = cls(cfg, max_positions)
+        model = cls(cfg, max_positions, tp)
     model = model.to_empty(device="cpu")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -74,13 +107,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             if layer_prefix.endswith(src):
                 target = f"{layer_prefix[: -len(src)]}{dst}.{suffix}"
                 lo, hi = _shard_rows(cfg, dst, shard)
-                params[target].data[lo:hi].copy_(tensor)
+                params[target].data[lo:hi].copy_(_read(cfg, name, tensor, (dst, shard)))
                 loaded.add(f"{target}#{shard}")
                 break
         else:
             if name not in params:
                 raise KeyError(f"checkpoint tensor {key!r} has no place in {cls.__name__}")
-            params[name].data.copy_(tensor)
+            params[name].data.copy_(_read(cfg, name, tensor, None))
             loaded.add(name)
     _check_complete(params, loaded)
     # to_empty() wiped the RoPE tables along with the parameters; rebuild them.

@@ -23,6 +23,7 @@ from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
+from tandem.engine.parallel.group import SINGLE, TPGroup
 from tandem.engine.runner.graph_memory import graph_memory
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
@@ -53,9 +54,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str | Path, config: RunnerConfig = RunnerConfig()) -> None:
+    def __init__(self, model_path: str | Path, config: RunnerConfig = RunnerConfig(), tp: TPGroup = SINGLE) -> None:
         self.config = config
-        self.model_config = mc = ModelConfig.from_pretrained(model_path)
+        self.tp = tp
+        # Under tensor parallelism: this rank's view (its heads, KV heads and MLP share).
+        self.model_config = mc = ModelConfig.from_pretrained(model_path).for_rank(tp.rank, tp.size)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.page_size = config.page_size
@@ -64,7 +67,7 @@ class ModelRunner:
         self.scaling = mc.head_dim**-0.5
         self.vocab_size = mc.vocab_size
 
-        self.model = load_model(mc, self.dtype, self.device, self.max_context_len)
+        self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
             pack_linears(self.model)
         if self.device.type == "cpu":
@@ -91,12 +94,13 @@ class ModelRunner:
 
     def size_kv_memory(self) -> KVMemory:
         """KV memory sized for this model on this device (kvcache/kv_memory.py), around what
-        the CUDA graphs will hold (runner/graph_memory.py)."""
+        the CUDA graphs will hold (runner/graph_memory.py). Tensor-parallel ranks agree on the
+        smallest: they schedule identically, so their pools must hold the same pages."""
         graphs = 0
         if self.plans_cuda_graphs():
             graphs = graph_memory(self.model_config, self.config, self.dtype, self.max_context_len).total
         return build_kv_memory(self.model_config, self.config, self.dtype, self.device, self.weight_bytes(),
-                               self.max_context_len, graphs)
+                               self.max_context_len, graphs, agree=self.tp.min_int)
 
     def attach(self, memory: KVMemory) -> None:
         """Use `memory` for every forward; builds the attention backend (and CUDA graphs) over it."""

@@ -21,7 +21,8 @@ def flush_cache(sched: Scheduler, msg: FlushCacheReq) -> AdminResult:
         return AdminResult(msg.rid, False, {"error": f"flush failed: {exc}"})
     sched.idle_checked = False  # the cache changed: check the pool again
     info = pool_state(sched)
-    return AdminResult(msg.rid, info["free_tokens"] == info["capacity_tokens"], info)
+    whole = all(r["free_tokens"] == r["capacity_tokens"] for r in info["tp_ranks"])
+    return AdminResult(msg.rid, info["free_tokens"] == info["capacity_tokens"] and whole, info)
 
 
 def status(sched: Scheduler, msg: StatusReq) -> AdminResult:
@@ -34,6 +35,18 @@ def pool_state(sched: Scheduler) -> dict[str, Any]:
     idle = sched.idle()
     if idle:
         sched.self_check_during_idle()
+    return {"tp_ranks": tp_pools(sched), **_pool_state(sched, idle)}
+
+
+def tp_pools(sched: Scheduler) -> list[dict[str, int]]:
+    """Every tensor-parallel rank's own page counts (each rank's allocator and radix tree are
+    its own, kept equal only by scheduling alike): a leak on a rank the front never hears
+    from shows here. A collective: every rank runs the same admin command in the same tick."""
+    mine = [sched.cache.allocator.available_size(), sched.cache.tree.total_size(), sched.cache.capacity_tokens()]
+    return [dict(zip(("free_tokens", "cached_tokens", "capacity_tokens"), r)) for r in sched.tp.all_gather_ints(mine)]
+
+
+def _pool_state(sched: Scheduler, idle: bool) -> dict[str, Any]:
     return {
         "dp_rank": sched.dp_rank, "idle": idle, "whole": True if idle else None,
         "free_tokens": sched.cache.allocator.available_size(), "cached_tokens": sched.cache.tree.total_size(),

@@ -16,8 +16,6 @@ back up on a retraction (admitting less).
 
 from __future__ import annotations
 
-import time
-
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler.batch_faults import BatchFailed
 from tandem.engine.scheduler.cache_manager import CacheManager
@@ -52,10 +50,9 @@ class DecodeManager:
         batch.filter_batch(exclude=exclude)
         self.running_batch.merge_batch(batch)
 
-    def expire_running(self, timeout: float | None) -> None:
+    def expire_running(self, timeout: float | None, now: float) -> None:
         if timeout is None:
             return
-        now = time.monotonic()
         for r in self.reqs:
             if now - r.arrival_time > timeout and not r.finished() and r.to_finish is None:
                 r.to_finish = finish_abort(f"ran longer than running_timeout={timeout}s")

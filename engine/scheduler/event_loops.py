@@ -82,7 +82,7 @@ def event_loop_overlap(s: Scheduler) -> None:
         mask = None
         if batch is not None:
             with s.faults.contain(batch.reqs):
-                s.record_step(batch)
+                s.record_step(batch, mwb)
                 mask = s.grammar.attach_mask(batch.reqs, mwb)
                 fut, future_ids = s.overlap.launch(mwb)
                 batch.output_ids = future_ids  # the next decode step feeds these in

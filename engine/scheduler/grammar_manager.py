@@ -29,6 +29,11 @@ class GrammarManager:
         self.queue = GrammarQueue(config.grammar_backend, tokenizer, vocab_size, eos_ids,
                                   config.grammar_compile_timeout, config.grammar_cache_size)
         self.admit, self.fail = admit, fail
+        # Tensor parallelism: rank 0's verdicts of this iteration (tick.py) replace this
+        # process's own polling, and nothing is admitted early from the cache, so that every
+        # rank admits a constrained request in the same iteration.
+        self.follow = config.tp_size > 1
+        self.verdicts: list[tuple[str, str | None]] = []
 
     @property
     def waiting(self) -> bool:
@@ -38,7 +43,7 @@ class GrammarManager:
         """Admit `req` now, or once its grammar is compiled."""
         constraint = req.sampling_params.constraint
         if constraint is not None:
-            req.grammar = self.queue.matcher_now(constraint)
+            req.grammar = None if self.follow else self.queue.matcher_now(constraint)
             if req.grammar is None:
                 self.queue.add(req.rid, constraint, (req, msg))
                 return
@@ -46,7 +51,11 @@ class GrammarManager:
 
     def poll(self) -> None:
         """Admit the requests whose grammar is ready; a failed compile fails its request alone."""
-        ready, failed = self.queue.poll()
+        if self.follow:
+            ready, failed = self.queue.settle(self.verdicts)
+            self.verdicts = []
+        else:
+            ready, failed = self.queue.poll()
         for (req, msg), matcher in ready:
             req.grammar = matcher
             self.admit(req, msg)

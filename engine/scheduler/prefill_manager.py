@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
@@ -46,10 +44,9 @@ class PrefillManager:
         if self.chunked_req in gone:
             self.chunked_req = None
 
-    def expire_waiting(self, timeout: float | None) -> list[Req]:
+    def expire_waiting(self, timeout: float | None, now: float) -> list[Req]:
         if timeout is None:
             return []
-        now = time.monotonic()
         expired = [r for r in self.waiting_queue if now - r.arrival_time > timeout]
         for r in expired:
             self.waiting_queue.remove(r)

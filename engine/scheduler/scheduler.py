@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -20,6 +21,8 @@ from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
+from tandem.engine.parallel.digest import check_same_batch
+from tandem.engine.parallel.tick import exchange
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
@@ -38,6 +41,7 @@ from tandem.engine.scheduler.request_validation import build_req
 from tandem.engine.scheduler.role_part import RolePart
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.scheduler.schedule_policy import SchedulePolicy
+from tandem.engine.worker_batch import ModelWorkerBatch
 from tandem.protocol.messages import (
     AbortReq,
     FlushCacheReq,
@@ -67,6 +71,11 @@ class Scheduler:
         self.runner = runner
         self.inbox = inbox
         self.dp_rank = dp_rank
+        # Tensor parallelism: every rank runs this scheduler; rank 0's inputs and clock reach
+        # the others each iteration (parallel/tick.py), so all of them decide alike.
+        self.tp = runner.tp
+        self.now = time.monotonic()  # this iteration's clock: timeouts and arrival times
+        self.steps = 0
         tree = create_prefix_cache(
             config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size
         )
@@ -112,7 +121,16 @@ class Scheduler:
 
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
-        msgs = []
+        msgs = self._drain_inbox(block) if self.tp.leader else None
+        if self.tp.size == 1:
+            self.now = time.monotonic()
+            return msgs or []
+        tick = exchange(self.tp, msgs, self.grammar.queue.decide() if self.tp.leader else None)
+        self.now, self.grammar.verdicts = tick.now, tick.grammar
+        return tick.msgs
+
+    def _drain_inbox(self, block: bool) -> list[Any]:
+        msgs: list[Any] = []
         # Waiting only on a KV transfer or a compile: wake often to poll, without spinning a core.
         timeout = 0.05 if block else 0.002 if self.only_waiting() else 0
         try:
@@ -141,6 +159,7 @@ class Scheduler:
         if error is not None:
             self.output.emit([error])
             return
+        req.arrival_time = self.now
         self.reqs[req.rid] = req
         self.grammar.add(req, msg)  # admits it now, or once its grammar is compiled
 
@@ -169,10 +188,10 @@ class Scheduler:
 
     # ---- batch construction ----------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        for r in self.prefill.expire_waiting(self.config.waiting_timeout):
+        for r in self.prefill.expire_waiting(self.config.waiting_timeout, self.now):
             self.output.stream([r])
             self.reqs.pop(r.rid, None)
-        self.decode.expire_running(self.config.running_timeout)
+        self.decode.expire_running(self.config.running_timeout, self.now)
         last = self.last_batch
         if last is not None and last.mode.is_extend():
             # Its requests (and, if MIXED, the decodes that rode along) continue decoding.
@@ -198,14 +217,19 @@ class Scheduler:
         return decode_batch
 
     # ---- running ----------------------------------------------------------------------------------
-    def record_step(self, batch: ScheduleBatch) -> None:
+    def record_step(self, batch: ScheduleBatch, mwb: ModelWorkerBatch) -> None:
+        """Bookkeeping of a batch about to launch; with debug_tp_digest, the ranks first
+        check that they all launch this same batch (parallel/digest.py)."""
+        self.steps += 1
+        if self.config.debug_tp_digest and self.tp.size > 1:
+            check_same_batch(self.tp, mwb, self.steps)
         self.idle_checked = False
         self.metrics.on_launch(batch)
         self.metrics.on_step(len(self.prefill.waiting_queue), len(self.decode.reqs), self.cache.usage())
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        self.record_step(batch)
         mwb = batch.get_model_worker_batch()
+        self.record_step(batch, mwb)
         mask = self.grammar.attach_mask(batch.reqs, mwb)
         if mask is not None:
             mask.fill()  # every earlier batch is processed: the matchers are current
