@@ -13,9 +13,12 @@ operator's and the router's images import it.
                           | --prefill URL=BOOTSTRAP... --decode URL... | --workers URL...)
     env    POD_NAME, POD_NAMESPACE, POD_IP (downward API); TANDEM_ROLE, TANDEM_KV_BACKEND,
            TANDEM_KV_PORT_BASE, TANDEM_KV_PORT_COUNT; UCX_TLS, UCX_NET_DEVICES when set;
-           TANDEM_PD_SECRET (prefill and decode: from a Secret, pd_secret_env)
+           TANDEM_PD_SECRET (prefill and decode: from a Secret, pd_secret_env);
+           TANDEM_TERMINATION_MESSAGE_PATH (operator pods: where a fatal start-up error goes)
     yaml   the engine's options under their SGLang names, plus the contract's own keys
            tp_size and kv_transfer {backend, port_base, port_count}
+    tp     tp_size ranks per worker, one process and one GPU each; tp_head_problem is the rule
+           the engine applies to the model's heads and the operator to spec.model.heads
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ ENGINE_CONFIG_DIR = "/etc/tandem"
 ENGINE_CONFIG_FILE = "engine.yaml"
 ENGINE_CONFIG_PATH = f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}"
 MODEL_MOUNT = "/models"
+# Kubernetes reads a container's termination message from this file (its default path) and shows
+# it in the pod's status, where the operator picks it up; at most 4 KiB of it are kept.
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+TERMINATION_MESSAGE_MAX_BYTES = 4096
 
 # ---- roles ----
 COLOCATED, PREFILL, DECODE = "colocated", "prefill", "decode"
@@ -75,6 +82,8 @@ ENV_PD_SECRET, PD_SECRET_KEY = "TANDEM_PD_SECRET", "pd-secret"
 # the router sends to the workers (the operator renders both from spec.apiKeySecretRef).
 ENV_API_KEY, ENV_WORKER_API_KEY = "TANDEM_API_KEY", "TANDEM_WORKER_API_KEY"
 ENV_ADMIN_KEY = "TANDEM_ADMIN_KEY"  # the admin routes on the main port (workers and router; never the API key)
+# Set only in operator pods: `tandem serve` started by hand or by `tandem up` writes no file.
+ENV_TERMINATION_MESSAGE_PATH = "TANDEM_TERMINATION_MESSAGE_PATH"
 DOWNWARD_ENV = {ENV_POD_NAME: "metadata.name", ENV_POD_NAMESPACE: "metadata.namespace", ENV_POD_IP: "status.podIP"}
 
 KV_BACKENDS = ("nixl", "none")
@@ -128,6 +137,24 @@ class EngineYaml:
         if not isinstance(kv, dict) or set(kv) - {"backend", "port_base", "port_count"}:
             raise ValueError(f"kv_transfer must map backend/port_base/port_count, got {kv!r}")
         return cls(engine_args=doc, tp_size=doc.pop("tp_size", 1), kv_transfer=KvTransfer(**kv))
+
+
+def tp_head_problem(tp_size: int, num_heads: int, num_kv_heads: int | None = None) -> str | None:
+    """Why `tp_size` ranks cannot split a model with these heads, or None when they can.
+
+    Each rank holds num_heads / tp_size query heads, so tp_size must divide num_heads. KV heads
+    (num_kv_heads; None: as many as query heads) are split the same way when tp_size divides
+    them, or replicated when they divide tp_size (each KV head on tp_size / num_kv_heads ranks,
+    as grouped-query models with few KV heads need); any other pair is refused."""
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if tp_size < 1 or num_heads < 1 or kv < 1:
+        return f"tp_size {tp_size}, {num_heads} attention heads and {kv} KV heads must all be positive"
+    if num_heads % tp_size:
+        return f"tp_size {tp_size} does not divide the model's {num_heads} attention heads"
+    if kv % tp_size and tp_size % kv:
+        return (f"tp_size {tp_size} and the model's {kv} KV heads: neither divides the other, so the KV "
+                f"heads can be neither split across the ranks nor replicated on them")
+    return None
 
 
 @dataclass(frozen=True)
@@ -249,6 +276,12 @@ def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
 def pd_secret_env(secret_name: str) -> dict[str, Any]:
     """The env entry giving a prefill or decode container the PD secret from Secret `secret_name`."""
     return {"name": ENV_PD_SECRET, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": PD_SECRET_KEY}}}
+
+
+def termination_message_env() -> dict[str, Any]:
+    """The env entry telling an operator-run worker to write a fatal start-up error where
+    Kubernetes reads the container's termination message (tandem/server/start_failure.py)."""
+    return {"name": ENV_TERMINATION_MESSAGE_PATH, "value": TERMINATION_MESSAGE_PATH}
 
 
 def downward_env() -> list[dict[str, Any]]:

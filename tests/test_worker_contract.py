@@ -48,6 +48,28 @@ def test_engine_yaml_round_trip_and_errors() -> None:
         contract.EngineYaml({"tp_size": 1})
 
 
+@pytest.mark.parametrize(("tp", "heads", "kv_heads", "refused"), [
+    (1, 9, 3, None), (4, 32, 8, None), (8, 64, 8, None),
+    (8, 32, 4, None),  # 4 KV heads divide tp 8: each is replicated on 2 ranks
+    (4, 32, None, None),  # no GQA: the KV heads are the attention heads
+    (3, 32, 8, "attention heads"), (3, 9, 3, None), (6, 12, 4, "KV heads"), (5, 12, 4, "attention heads"),
+    (4, 16, 6, "KV heads"), (0, 32, 8, "positive"),
+])
+def test_tp_head_rule(tp: int, heads: int, kv_heads: int | None, refused: str | None) -> None:
+    """tp must divide the attention heads; KV heads are split (tp divides them) or replicated
+    (they divide tp); anything else is refused. The engine and the operator apply this one rule."""
+    problem = contract.tp_head_problem(tp, heads, kv_heads)
+    assert problem is None if refused is None else refused in problem, problem
+
+
+def test_termination_message_env_names_the_contract_path() -> None:
+    assert contract.termination_message_env() == {"name": contract.ENV_TERMINATION_MESSAGE_PATH,
+                                                  "value": contract.TERMINATION_MESSAGE_PATH}
+    # A worker started outside the operator (tandem up) is not told to write one.
+    names = {e["name"] for e in contract.worker_env("decode", contract.KvTransfer())}
+    assert contract.ENV_TERMINATION_MESSAGE_PATH not in names
+
+
 def test_kv_ports_from_env() -> None:
     assert contract.kv_from_env({}) is None
     env = {e["name"]: e["value"] for e in contract.worker_env("prefill", contract.KvTransfer(port_base=18000))

@@ -21,6 +21,7 @@ from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.runtime import Runtime
+from tandem.server.start_failure import reporting_lifespan
 from tandem.server.tokens import Tokens
 from tandem.server.tools.registry import choose_format
 from tandem.web import errors
@@ -85,7 +86,8 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
             front.shutdown()
             app.state.scheduler_died = died  # the server process exits SCHEDULER_DIED_EXIT (process.py)
 
-    app = FastAPI(title="tandem worker", version="0.1.0", lifespan=lifespan)
+    # A model that fails to load reaches the pod's termination message (start_failure.py).
+    app = FastAPI(title="tandem worker", version="0.1.0", lifespan=reporting_lifespan(lifespan))
     errors.install(app)
     for r in (openai_routes.router, chat_routes.router, generate_routes.router, admin_routes.router):
         app.include_router(r)

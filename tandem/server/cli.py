@@ -8,6 +8,7 @@ import logging
 import sys
 
 from tandem.server.config import add_server_arguments, config_from_args
+from tandem.server.start_failure import reported_start_failure
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +21,8 @@ def _serve(args: argparse.Namespace) -> int:
     # Before the config: resolving --model may fetch, import or build it, and says so in the log.
     logging.basicConfig(level=str(args.engine_log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    with reported_start_failure():  # an operator pod's status shows why it cannot start
+        config = config_from_args(args)
     from tandem.server.process import run
 
     return run(config)
