@@ -14,6 +14,7 @@ from tandem.operator import names
 from tandem.operator.conditions import Condition, merge_conditions
 from tandem.operator.reconcile import RoleReplicas
 from tandem.operator.spec.service_spec import ServiceSpec
+from tandem.operator.worker_failures import STUCK_WAITING, WorkerFailure, workers_failing
 
 
 @dataclass(frozen=True)
@@ -37,19 +38,16 @@ class Measured:
 @dataclass(frozen=True)
 class ClusterView:
     """What sync saw beyond the role counts: the current generation, the old ones still holding
-    pods, the worker Deployments, problems read off the pods (crash loops), and autoscalers
-    that would fight the operator (role_scaler.hpa_conflicts)."""
+    pods, the worker Deployments, problems read off the pods (crash loops), failing worker
+    containers with their termination messages (worker_failures.py), and autoscalers that
+    would fight the operator (role_scaler.hpa_conflicts)."""
 
     generation: str = ""
     old: tuple[tuple[str, tuple[int, int]], ...] = ()
     deployments: tuple[dict[str, Any], ...] = ()
     pod_problems: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
-
-
-# Waiting reasons that mean a pod will not come up by itself.
-STUCK_WAITING = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
-                 "InvalidImageName", "CreateContainerError")
+    worker_failures: tuple[WorkerFailure, ...] = ()
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -159,11 +157,12 @@ def _progress_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict
 
 def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
                      measured: Measured, scaling: ScalingReport, view: ClusterView | None = None) -> list[Condition]:
+    view = view or ClusterView()
     roles = {role: _role_condition(role, observed[role], desired.of(role)) for role in names.ROLES}
-    progressing, degraded = _progress_conditions(svc, desired, observed, measured, view or ClusterView())
+    progressing, degraded = _progress_conditions(svc, desired, observed, measured, view)
     return [
         roles[names.PREFILL], roles[names.DECODE], roles[names.ROUTER],
-        _ready_condition(roles, measured), progressing, degraded,
+        _ready_condition(roles, measured), progressing, degraded, workers_failing(view.worker_failures),
         Condition("ScalingActive", "True" if scaling.active else "False", scaling.reason, scaling.message),
     ]
 

@@ -45,6 +45,7 @@ from tandem.operator.status import (
     observe_deployment,
     pod_problems,
 )
+from tandem.operator.worker_failures import worker_failures
 
 RETRY_DELAY_S = 10
 # The timer skips re-applying an unchanged set of children for this long; create, update
@@ -167,7 +168,8 @@ async def _observe(api: KubeApi, svc: ServiceSpec, current: str) -> tuple[dict[s
             raise
         pods = []
     view = ClusterView(current, tuple((g.name, g.counts().replicas) for g in old),
-                       tuple(d for g in found.values() for d in g.deployments.values()), pod_problems(pods))
+                       tuple(d for g in found.values() for d in g.deployments.values()), pod_problems(pods),
+                       worker_failures=worker_failures(pods))
     return observed, view
 
 

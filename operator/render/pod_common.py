@@ -39,8 +39,15 @@ def drain_command(timeout_s: int, admin_port: int = contract.ADMIN_PORT) -> list
 
 # Requests for what the user left unset: a pod with none is BestEffort, the first evicted under
 # node pressure, and a model server must not be. A limit alone already implies a request.
-WORKER_REQUESTS = {"cpu": "2", "memory": "8Gi"}
 ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+
+
+def worker_requests(tp_size: int) -> dict[str, str]:
+    """cpu 2 / memory 8Gi at tp 1, plus one core and 4Gi per further rank: each TP rank is its
+    own process, with a CPU thread driving its GPU, its own CUDA context and torch, and its
+    weight shard passing through host memory while it loads. Requests only, no limits: a node
+    with more to spare lets a pod use it."""
+    return {"cpu": str(1 + tp_size), "memory": f"{4 + 4 * tp_size}Gi"}
 
 
 def with_requests(resources: dict[str, Any], defaults: dict[str, str]) -> dict[str, Any]:

@@ -14,12 +14,12 @@ from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.render.engine_configmap import config_key
 from tandem.operator.render.pod_common import (
-    WORKER_REQUESTS,
     deployment,
     drain_command,
     http_probe,
     pod_spec,
     with_requests,
+    worker_requests,
 )
 from tandem.operator.security.harden import restricted_security_context
 from tandem.operator.security.secret_env import worker_secret_env
@@ -29,6 +29,7 @@ from tandem.operator.spec.service_spec import ServiceSpec
 # Time for the pod to leave Service endpoints and the router's pod list after preStop finishes.
 GRACE_MARGIN_S = 30
 STARTUP_PROBE_PERIOD_S = 10
+SHM_SIZE_LIMIT = "16Gi"
 
 
 def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
@@ -40,8 +41,9 @@ def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
 
 
 def worker_resources(spec: RoleSpec) -> dict[str, Any]:
-    """The role's resources, with tensorParallelSize GPUs unless the user set a GPU limit."""
-    resources = with_requests(spec.resources, WORKER_REQUESTS)
+    """The role's resources, with tensorParallelSize GPUs (one per rank) unless the user set a GPU
+    limit, and CPU/memory requests for the ranks where the user set neither request nor limit."""
+    resources = with_requests(spec.resources, worker_requests(spec.tensor_parallel_size))
     limits = resources.setdefault("limits", {})
     limits.setdefault(GPU, spec.tensor_parallel_size)
     requests = resources.get("requests")
@@ -57,7 +59,8 @@ def worker_env(svc: ServiceSpec, role: str) -> list[dict[str, Any]]:
     writable = [{"name": "HOME", "value": "/tmp"}, {"name": "TANDEM_HOME", "value": "/tmp/tandem"},
                 {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"}]
     secrets = worker_secret_env(svc.name, svc.api_key)  # from Secrets, never on argv (security/secret_env.py)
-    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable + secrets
+    termination = [contract.termination_message_env()]  # where terminationMessagePath reads a start-up error
+    return contract.worker_env(role, kv, svc.kv.transports, svc.kv.devices) + writable + secrets + termination
 
 
 def worker_ports(role: str, svc: ServiceSpec) -> list[dict[str, Any]]:
@@ -77,8 +80,9 @@ def worker_volumes(svc: ServiceSpec, role: str, generation: str) -> list[dict[st
             "name": names.engine_config_name(svc.name, generation),
             "items": [{"key": config_key(role), "path": names.ENGINE_CONFIG_FILE}],
         }},
-        # NCCL and the KV transfer engine use shared memory; the container default is 64 MiB.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        # NCCL (between the TP ranks of a pod), torch.distributed and the KV transfer engine use
+        # shared memory; the container default is 64 MiB. Memory-backed, so it counts as the pod's memory.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "8Gi"}},
     ]
 
@@ -105,6 +109,11 @@ def worker_container(svc: ServiceSpec, spec: RoleSpec) -> dict[str, Any]:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": restricted_security_context(),
+        # The worker writes a fatal start-up error here (tandem/server/start_failure.py); a crash
+        # that left none (a segfault, an OOM kill) shows its log's tail instead. Either reaches
+        # the CR's WorkersFailing condition (operator/worker_failures.py).
+        "terminationMessagePath": contract.TERMINATION_MESSAGE_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 from tandem.operator.spec.pd_ratio import ratio_feasible
+from tandem.operator.spec.tensor_parallel import ModelHeads, parse_heads
 
 GPU = "nvidia.com/gpu"
 DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}
@@ -45,6 +46,7 @@ class ModelSource:
     pvc_claim: str | None
     pvc_path: str
     host_path: str | None
+    heads: ModelHeads | None = None  # spec.model.heads: lets reconcile check tensorParallelSize
 
     @property
     def container_path(self) -> str:
@@ -141,6 +143,7 @@ def parse_model(raw: Any, errors: list[str]) -> ModelSource | None:
         pvc_claim=str(pvc["claimName"]) if pvc.get("claimName") else None,
         pvc_path=str(pvc.get("path") or ""),
         host_path=str(host["path"]) if host.get("path") else None,
+        heads=parse_heads(raw.get("heads"), errors),
     )
 
 

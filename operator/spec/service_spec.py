@@ -31,6 +31,7 @@ from tandem.operator.spec.sections import (
     parse_rollout,
     parse_slo,
 )
+from tandem.operator.spec.tensor_parallel import tp_problems
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -102,6 +103,8 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
     api_key = parse_secret_ref(spec.get("apiKeySecretRef"), "spec.apiKeySecretRef", errors)
+    if model is not None:
+        errors += tp_problems(model.heads, {r: roles[r].tensor_parallel_size for r in names.WORKER_ROLES})
     role_rollouts = {
         role: parse_rollout({**spec["rollout"], **(spec[role].get("rollout") or {})}, errors, f"spec.{role}.rollout")
         for role in names.WORKER_ROLES

@@ -156,6 +156,14 @@ MODEL = obj(
         "hostPath": obj({"path": string(min_length=1, desc="Absolute model directory on the node.")},
                         required=("path",)),
         "uri": string(desc="Reserved for a later release (hf://, s3://); rejected by the operator today."),
+        "heads": obj({
+            "attention": integer(1, 4096, desc="num_attention_heads in the model's config.json."),
+            "keyValue": integer(1, 4096, desc="num_key_value_heads in config.json; unset: as many as attention."),
+        }, required=("attention",), desc=(
+            "The model's head counts, when known. The operator then refuses a tensorParallelSize the "
+            "engine would refuse (it must divide the attention heads, and the KV heads must divide by it "
+            "or divide it) before any pod starts; unset, the worker refuses at start and the error "
+            "shows in the WorkersFailing condition.")),
     },
     required=("servedName",),
     rules=((

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 CONDITION_TYPES = (
-    "PrefillReady", "DecodeReady", "RouterReady", "Ready", "Progressing", "Degraded", "ScalingActive",
-    "SpecWarnings",
+    "PrefillReady", "DecodeReady", "RouterReady", "Ready", "Progressing", "Degraded", "WorkersFailing",
+    "ScalingActive", "SpecWarnings",
 )
 
 _INT = {"type": "integer", "format": "int32"}

@@ -39,7 +39,9 @@ def _start(command: list[str], env: dict[str, str], yaml_text: str, model: str, 
     local_yaml.write_text(yaml_text)
     swap = {args.model: model, args.config: str(local_yaml), str(args.bootstrap_port): str(bootstrap)}
     argv = ["serve", *(swap.get(a, a) for a in command[2:])]
-    env = env | {contract.ENV_POD_IP: "127.0.0.1", contract.ENV_KV_PORT_BASE: str(free_port())}
+    assert env[contract.ENV_TERMINATION_MESSAGE_PATH] == contract.TERMINATION_MESSAGE_PATH
+    env = env | {contract.ENV_POD_IP: "127.0.0.1", contract.ENV_KV_PORT_BASE: str(free_port()),
+                 contract.ENV_TERMINATION_MESSAGE_PATH: str(tmp / f"{args.role}-termination-log")}
     w = Worker(argv, env=env)
     w.bootstrap = bootstrap
     return w
@@ -73,6 +75,7 @@ def test_prefill_and_decode_pods_serve_disaggregated_as_rendered(model_path, tmp
         assert dec.get("/debug/pool").json()["ranks"][0]["pd"]["transferred"] == 1
         for w in (pre, dec):
             assert w.get("/health").status_code == 200 and w.pool()["whole"]
+        assert not list(tmp_path.glob("*-termination-log"))  # a worker that started reports no failure
     finally:
         dec.stop()
         pre.stop()
