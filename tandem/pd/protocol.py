@@ -26,9 +26,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.pd.schema import BadMessage as BadMessage
-from tandem.pd.schema import Spec, boolean, int_list, one_of, record, text, uint
+from tandem.pd.schema import Spec, boolean, int_list, one_of, record, text, uint, where
 
-PD_VERSION = 2  # 2: the layout says where the KV lives (mem_type, device_id)
+# 2: the layout says where the KV lives (mem_type, device_id)
+# 3: the layout holds a range of the model's KV heads (tensor parallelism: head_start,
+#    total_kv_heads), and the identity's num_kv_heads is the model's, not one rank's
+PD_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -41,7 +44,7 @@ class Identity:
     dtype: str
     page_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's (all TP ranks together): a rank's share is in its KVLayout
     head_dim: int
 
     def mismatch(self, other: Identity) -> list[str]:
@@ -128,14 +131,25 @@ COUNT_LIMIT = 2**31  # pages, positions, slots, sizes
 ADDR_LIMIT = 2**64
 MAX_NAME, MAX_TEXT, MAX_AGENT = 128, 4096, 256 * 1024  # agent: base64 NIXL metadata (~0.5 KiB on UCX)
 MAX_PAGES = 1 << 18  # a bound for the parser; prefill checks the count against the prompt
+MAX_KV_HEADS = 1 << 16  # models have at most a few hundred; bounds head_map's per-head loop
 
 _count, _positive = uint(COUNT_LIMIT), uint(COUNT_LIMIT, lo=1)
+_heads, _some_heads = uint(MAX_KV_HEADS), uint(MAX_KV_HEADS, lo=1)
 _IDENTITY = record({"version": _count, "model_id": text(MAX_NAME), "dtype": text(32), "page_size": _positive,
-                    "num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive}, may_be_empty=True)
-_LAYOUT = record({"num_layers": _positive, "num_kv_heads": _positive, "head_dim": _positive, "dtype": text(32),
-                  "itemsize": _positive, "page_size": _positive, "num_pages": _positive,
-                  "base_ptr": uint(ADDR_LIMIT), "mem_type": one_of("DRAM", "VRAM"), "device_id": _count},
-                 may_be_empty=True)
+                    "num_layers": _positive, "num_kv_heads": _some_heads, "head_dim": _positive}, may_be_empty=True)
+
+
+def _heads_fit(layout: dict[str, Any]) -> bool:
+    """A layout's heads lie inside the model's (total_kv_heads 0: it holds them all)."""
+    return not layout or layout["head_start"] + layout["num_kv_heads"] <= (layout["total_kv_heads"]
+                                                                           or layout["num_kv_heads"])
+
+
+_LAYOUT = where(record({"num_layers": _positive, "num_kv_heads": _some_heads, "head_dim": _positive,
+                        "dtype": text(32), "itemsize": _positive, "page_size": _positive, "num_pages": _positive,
+                        "base_ptr": uint(ADDR_LIMIT), "mem_type": one_of("DRAM", "VRAM"), "device_id": _count,
+                        "head_start": _heads, "total_kv_heads": _heads}, may_be_empty=True),
+                _heads_fit, "head_start + num_kv_heads over total_kv_heads")
 _META = record({"addr": uint(ADDR_LIMIT), "slot_bytes": _positive, "slots": _positive}, may_be_empty=True)
 _HALF = {"identity": _IDENTITY, "layout": _LAYOUT, "agent": text(MAX_AGENT), "meta": _META}  # describe()
 _ROOM, _NAME, _TEXT = uint(ROOM_LIMIT), text(MAX_NAME), text(MAX_TEXT)

@@ -7,6 +7,8 @@ or corrupt frame must not be echoed into logs at length).
 
     spec = record({"room": uint(2**63), "pages": int_list(1 << 18, 2**31)})
     spec(obj, "KVDest")   # -> obj, or BadMessage("KVDest.pages[3]: ...")
+
+A relation between fields (a range inside a total) is `where(spec, rule, what)`.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def record(fields: Mapping[str, Spec], may_be_empty: bool = False) -> Spec:
             raise BadMessage(f"{path}: keys {sorted(fields)} expected (missing {missing}, {extra} unknown)")
         for k, spec in fields.items():
             spec(v[k], f"{path}.{k}")
+        return v
+
+    return check
+
+
+def where(spec: Spec, rule: Callable[[Any], bool], what: str) -> Spec:
+    """`spec`, then `rule` over the value it passed (fields checked, so the rule may use them)."""
+
+    def check(v: Any, path: str) -> Any:
+        v = spec(v, path)
+        if not rule(v):
+            raise BadMessage(f"{path}: {what}")
         return v
 
     return check

@@ -8,18 +8,26 @@ so a page of one layer's K (or V) is `page_bytes` contiguous bytes at
 
     base_ptr + layer * layer_stride + kv * kv_stride + page * page_bytes
 
+and within it token t's slot is `slot_bytes` at + t * slot_bytes: its heads, each head_dim
+elements. Under tensor parallelism a buffer holds a range of the model's `total_kv_heads`:
+heads [head_start, head_start + num_kv_heads) (`heads`), so the model's head h sits at
++ (h - head_start) * head_bytes in a slot. Without TP the range is all of them.
+
 The buffer lives in host memory ("DRAM", device_id 0) or on a GPU ("VRAM", device_id = the
 CUDA ordinal in the owner's process): a transfer agent registers it, and describes the peer's
 pages, with the owner's memory type and device, never its own.
 
 Prefill and decode exchange their layouts in the PD handshake: two workers can move
-pages between them only if `mismatch()` finds nothing (the page counts and devices may differ).
+pages between them only if `mismatch()` finds nothing (the page counts, devices and the
+head ranges may differ; which heads go where is tandem/pd/transfer/head_map.py's).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+HeadRange = tuple[int, int]  # [first, end) of the model's KV heads
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,34 @@ class KVLayout:
     base_ptr: int  # address of the buffer's first byte
     mem_type: str = "DRAM"  # NIXL's memory type: "DRAM" (host) or "VRAM" (GPU)
     device_id: int = 0  # the GPU's ordinal in the owner's process; 0 for DRAM
+    head_start: int = 0  # the first of the model's KV heads held here (tensor parallelism)
+    total_kv_heads: int = 0  # the model's KV heads; 0: num_kv_heads (no TP, the pre-v3 dicts)
+
+    def __post_init__(self) -> None:
+        if not (self.num_kv_heads > 0 and 0 <= self.head_start
+                and self.head_start + self.num_kv_heads <= self.total_heads):
+            raise ValueError(f"KV heads [{self.head_start}, {self.head_start + self.num_kv_heads}) "
+                             f"outside the model's {self.total_heads}")
+        if self.base_ptr + self.total_bytes > 2**64:  # a peer's: its addresses must fit NIXL's uint64
+            raise ValueError("the KV buffer reaches past the 64-bit address space")
+
+    @property
+    def total_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def heads(self) -> HeadRange:
+        """The model's KV heads this buffer holds."""
+        return self.head_start, self.head_start + self.num_kv_heads
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * self.itemsize
 
     @property
     def slot_bytes(self) -> int:
-        return self.num_kv_heads * self.head_dim * self.itemsize
+        """One token of one layer's K (or V): every head held here."""
+        return self.num_kv_heads * self.head_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -65,8 +97,9 @@ class KVLayout:
         """What stops pages of `self` from being written into `other` as they are. Memory types
         must match: host-to-GPU needs a UCX built with CUDA on both ends and crosses PCIe per
         page, no deployment of ours pairs them, and a pair that passed here would fail every
-        transfer instead of its handshake."""
-        keys = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size", "mem_type")
+        transfer instead of its handshake. The head ranges may differ (tensor parallelism of
+        another size): a send names the heads it moves; the model's head count may not."""
+        keys = ("num_layers", "total_heads", "head_dim", "dtype", "itemsize", "page_size", "mem_type")
         return [f"{k}: {getattr(self, k)} != {getattr(other, k)}"
                 for k in keys if getattr(self, k) != getattr(other, k)]
 

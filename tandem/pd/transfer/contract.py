@@ -1,12 +1,14 @@
-"""The KV transfer contract: one-sided WRITEs of whole KV pages into a peer's pool.
+"""The KV transfer contract: one-sided WRITEs of KV pages (whole, or some of their heads)
+into a peer's pool.
 
 Every implementation (today: NIXL, nixl_agent.py) behaves as stated here, and
-tests/pd/test_kv_transfer.py runs the same contract test over each.
+tests/pd/test_kv_transfer.py (tests/pd/test_kv_transfer_tp.py: across TP sizes) runs the
+same contract test over each.
 
     t = Transfer(name)
     meta = t.register(pool.layout(), slots)   # once: the KV buffer (+ first-token slots)
     peer = t.add_peer(peer_meta, peer_layout, peer_slots)  # once per peer; checks layouts match
-    t.send(peer, room, src_pages, dst_pages, notify, slot=(src, dst))  # starts the WRITEs
+    t.send(peer, room, src_pages, dst_pages, notify, slot=(src, dst), heads=(h0, h1))  # starts the WRITEs
     t.poll()                                  # -> Events: finished sends, notifications received
 
 Side effects the callers rely on:
@@ -15,6 +17,14 @@ Side effects the callers rely on:
   same transfer: the notification covers both. The caller keeps the source pages
   allocated (and unmodified) until `poll` reports
   that room's send finished, ok or not: the engine reads them asynchronously.
+- Tensor parallelism: each TP rank is its own transfer agent holding a range of the model's
+  KV heads (KVLayout.heads). `heads` names the model's heads a send moves, held by both
+  sides; the default is every head the peer holds. Between TP sizes that differ, prefill
+  rank p sends decode rank d the heads tandem/pd/transfer/head_map.plan_writes gives the
+  pair, so each decode head is written once. The first-token slot goes with exactly one
+  send per (room, decode rank): the plan's `Write.slot` one (the lowest prefill rank writing
+  that decode rank); the others pass slot=None. Notifications are per sender: a decode rank
+  written by several prefill ranks has all of a room's bytes once each of them has notified.
 - The peer receives `notify` only after all bytes of that send have landed, so a receiver
   that has seen a room's last notification may read its pages.
 - A send that has not finished within `timeout` seconds is reported failed and its
@@ -35,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.pd.protocol import MetaRegion
-from tandem.protocol.kv_layout import KVLayout
+from tandem.protocol.kv_layout import HeadRange, KVLayout
 
 
 class TransferError(ValueError):
@@ -56,7 +66,8 @@ class Events:
 
 
 class KVTransfer(ABC):
-    runs_sent = 0  # runs of consecutive pages sent (each is one descriptor per layer and K/V)
+    runs_sent = 0  # runs of consecutive pages sent (whole slots: one descriptor per layer and K/V each)
+    bytes_sent = 0  # KV bytes sent (head slices move less than page_bytes per page)
 
     @abstractmethod
     def register(self, layout: KVLayout, slots: MetaRegion | None = None) -> bytes:
@@ -70,8 +81,10 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
-             notify: bytes, slot: tuple[int, int] | None = None) -> None:
-        """Start writing src_pages into the peer's dst_pages; `notify` reaches the peer after."""
+             notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None) -> None:
+        """Start writing the model's KV `heads` (None: all the peer holds) of src_pages into the
+        peer's dst_pages; `notify` reaches the peer after. ValueError when either side does not
+        hold all of `heads`, or a page or the slot is outside its side's."""
 
     @abstractmethod
     def poll(self) -> Events:

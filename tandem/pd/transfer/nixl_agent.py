@@ -1,8 +1,8 @@
 """KVTransfer over NIXL (UCX backend): host memory on a CPU worker, GPU memory on a GPU.
 
 NIXL ships one wheel per CUDA major (nixl_cu12, nixl_cu13, or the `nixl` meta package);
-whichever is installed is used. A send is one NIXL WRITE transfer of all its page runs
-(tandem/pd/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
+whichever is installed is used. A send is one NIXL WRITE transfer of all its page runs or
+head slices (tandem/pd/transfer/pages.py) carrying `notify`, which NIXL delivers after the data.
 
 Where memory lives comes from the layouts (KVLayout.mem_type, device_id): this side's
 registration and source descriptors use its own, the destination descriptors the peer's.
@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tandem.pd.protocol import MetaRegion
 from tandem.pd.transfer.contract import Events, KVTransfer, SendDone, TransferError
-from tandem.pd.transfer.pages import descriptors
-from tandem.protocol.kv_layout import KVLayout
+from tandem.pd.transfer.pages import Descs, descriptors, page_runs
+from tandem.protocol.kv_layout import HeadRange, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +99,29 @@ class NixlTransfer(KVTransfer):
         return name
 
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
-             notify: bytes, slot: tuple[int, int] | None = None) -> None:
+             notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None) -> None:
         assert self.layout is not None, "register() first"
         if peer not in self.peers:
             raise KeyError(f"unknown peer {peer!r}")
         peer_layout, peer_slots = self.peers[peer]
-        src, dst = descriptors(self.layout, peer_layout, src_pages, dst_pages)
-        self.runs_sent += len(src) // (2 * self.layout.num_layers)
+        src, dst = descriptors(self.layout, peer_layout, src_pages, dst_pages, heads)
+        self.runs_sent += len(page_runs(src_pages, dst_pages))
+        self.bytes_sent += int(src[:, 1].sum())
         if slot is not None:
             if self.slots is None or peer_slots is None or self.slots.slot_bytes != peer_slots.slot_bytes:
                 raise ValueError("first-token slots are not registered on both sides, or differ in size")
-            if not (0 <= slot[0] < self.slots.slots and 0 <= slot[1] < peer_slots.slots):
+            if not (0 <= slot[0] < self.slots.slots and 0 <= slot[1] < peer_slots.slots
+                    and peer_slots.addr + peer_slots.slots * peer_slots.slot_bytes <= 2**64):
                 raise ValueError(f"slot {slot} outside the registered slots")
             n = self.slots.slot_bytes
-            src.append((self.slots.addr + slot[0] * n, n))
-            dst.append((peer_slots.addr + slot[1] * n, n))
+            src = np.vstack([src, np.array([[self.slots.addr + slot[0] * n, n]], dtype=np.uint64)])
+            dst = np.vstack([dst, np.array([[peer_slots.addr + slot[1] * n, n]], dtype=np.uint64)])
+        if not len(src):
+            raise ValueError("a send of nothing: no pages and no slot")
         handle = None
         try:
-            local = self.agent.get_xfer_descs([(a, n, self.layout.device_id) for a, n in src], self.layout.mem_type)
-            remote = self.agent.get_xfer_descs([(a, n, peer_layout.device_id) for a, n in dst], peer_layout.mem_type)
+            local = self.agent.get_xfer_descs(_on(src, self.layout.device_id), self.layout.mem_type)
+            remote = self.agent.get_xfer_descs(_on(dst, peer_layout.device_id), peer_layout.mem_type)
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, notify)
             state = self.agent.transfer(handle)
         except self.errors as exc:
@@ -181,3 +187,8 @@ class NixlTransfer(KVTransfer):
         if self._reg is not None:
             self.agent.deregister_memory(self._reg)
             self._reg = None
+
+
+def _on(descs: Descs, device_id: int) -> np.ndarray:
+    """NIXL's (n, 3) rows: address, bytes, device."""
+    return np.column_stack([descs, np.full(len(descs), device_id, dtype=np.uint64)])
