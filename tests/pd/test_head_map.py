@@ -57,6 +57,8 @@ def test_every_decode_head_is_written_exactly_once_by_a_holder(setup: tuple[int,
             assert not any(p.heads[0] <= w.heads[0] < p.heads[1] for p in prefill[: w.prefill])
         assert sum(w.slot for w in mine) == 1
         assert next(w for w in mine if w.slot).prefill == min(w.prefill for w in mine)
+        alone = plan_writes(prefill, [lay])  # what a prefill rank plans from one decode rank's Hello
+        assert alone == [dataclasses.replace(w, decode=0) for w in mine]
 
 
 def test_the_plans_the_module_docstring_names() -> None:

@@ -13,6 +13,10 @@ TP=2 -> decode TP=1: (0 -> 0, [0, 2)), (1 -> 0, [2, 4)).
 
 Every decode rank needs the request's first token too, in its own slot: exactly one write
 per decode rank carries it (`Write.slot`), the one from the lowest prefill rank writing it.
+
+A decode rank's writes depend on the prefill ranks' layouts and its own only, so a prefill
+rank that has one decode rank's layout (its Hello) plans that pair alone:
+plan_writes(prefill group, [that decode rank's layout]), decode index 0.
 """
 
 from __future__ import annotations
