@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 def attach(sched: Scheduler, model_path: str) -> DecodeReceiver:
     cfg = sched.config
+    if cfg.tp_size > 1:  # the transfer layer moves head slices (tandem/pd/transfer/head_map.py); the role does not yet
+        raise ValueError("a decode worker runs tp_size 1 for now: PD between tensor-parallel workers is not wired yet")
     addresses = parse_peers(cfg.pd_prefill_peers)  # a bad entry fails the start-up, before any socket
     parts = transfer_parts(sched, model_path, DECODE)
     parts.channel.start()

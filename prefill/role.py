@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 def attach(sched: Scheduler, model_path: str) -> PrefillSender:
     cfg = sched.config
+    if cfg.tp_size > 1:  # the transfer layer moves head slices (tandem/pd/transfer/head_map.py); the role does not yet
+        raise ValueError("a prefill worker runs tp_size 1 for now: PD between tensor-parallel workers is not wired yet")
     if cfg.dp_size > 1:
         raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")
     parts = transfer_parts(sched, model_path, PREFILL)

@@ -97,6 +97,9 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
         if device.type == "cpu":
             tokens = min(tokens, CPU_AUTO_MAX_TOKENS)
     num_pages = -(-agree(tokens) // P) + 1  # +1: the reserved page 0
-    kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+    shard = mc.shard  # a tensor-parallel rank's pool holds its range of the KV heads
+    kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device,
+                            heads=None if shard is None else shard.kv_heads,
+                            total_kv_heads=0 if shard is None else shard.total_kv_heads)
     req_table = ReqToTokenPool(req_table_rows(config), max_context_len, device)
     return KVMemory(kv_pool, req_table)

@@ -62,11 +62,16 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        heads: tuple[int, int] | None = None,
+        total_kv_heads: int = 0,
     ) -> None:
+        """`heads`/`total_kv_heads`: under tensor parallelism, which of the model's KV heads
+        this rank's pool holds (its layout says so to a PD peer); None: all of them."""
         if num_pages < 2:
             raise ValueError("KV pool needs at least 2 pages (page 0 is reserved)")
         self.page_size = page_size
         self.num_layers = num_layers
+        self.head_start, self.total_kv_heads = (heads[0], total_kv_heads) if heads is not None else (0, 0)
         self.num_slots = num_pages * page_size
         self.dtype = dtype
         # empty, not zeros: pages are written before they are read, and an untouched
@@ -101,7 +106,8 @@ class TokenToKVPool:
         return KVLayout(num_layers=self.num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
                         dtype=str(self.dtype).removeprefix("torch."), itemsize=self.kv_buffer.element_size(),
                         page_size=self.page_size, num_pages=num_slots // self.page_size,
-                        base_ptr=self.kv_buffer.data_ptr(), **memory_of(self.kv_buffer))
+                        base_ptr=self.kv_buffer.data_ptr(), head_start=self.head_start,
+                        total_kv_heads=self.total_kv_heads, **memory_of(self.kv_buffer))
 
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of K (or V) in one layer: the unit a transfer moves."""

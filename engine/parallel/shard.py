@@ -25,6 +25,7 @@ class TPShard:
     intermediate: tuple[int, int]  # [start, stop) of the MLP's intermediate features
     vocab: tuple[int, int]  # [start, stop) of the rows this rank holds, padding included
     vocab_size: int  # the model's vocabulary: rows at or past it are zero padding
+    total_kv_heads: int  # the model's KV heads (kv_heads is a range of them)
 
     @property
     def num_heads(self) -> int:
@@ -72,4 +73,4 @@ def plan_shard(rank: int, size: int, num_heads: int, num_kv_heads: int, intermed
         head = rank // (size // num_kv_heads)
         kv = (head, head + 1)
     return TPShard(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * inter, (rank + 1) * inter),
-                   (rank * rows, (rank + 1) * rows), vocab_size)
+                   (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads)
