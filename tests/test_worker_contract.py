@@ -6,6 +6,7 @@ contract, and its engine.yaml must build the engine's config: the two sides cann
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +103,8 @@ def test_operator_pods_speak_the_contract(path: Path) -> None:
         engine_args = {k: v for k, v in doc.engine_args.items()}
         config = EngineConfig.from_kwargs(**engine_args)
         assert config.page_size == engine_args.get("page_size", EngineConfig().page_size)
-        if doc.tp_size == 1:
-            assert EngineConfig.from_engine_yaml(text)[0] == config
-        else:
-            with pytest.raises(ValueError, match="tensor parallelism"):
-                EngineConfig.from_engine_yaml(text)
+        # The contract's tp_size becomes the engine's (engine/parallel/, docs/tp.md).
+        assert EngineConfig.from_engine_yaml(text)[0] == dataclasses.replace(config, tp_size=doc.tp_size)
 
 
 def test_operator_yaml_is_plain_yaml() -> None:
