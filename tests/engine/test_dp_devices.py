@@ -70,7 +70,7 @@ def test_build_scheduler_binds_the_rank_gpu_before_the_model_and_pool(four_gpus,
     class Loaded(Exception):
         pass
 
-    def runner(path, config):
+    def runner(path, config, tp):
         four_gpus.append(("model", config.device))
         raise Loaded
 
@@ -79,6 +79,17 @@ def test_build_scheduler_binds_the_rank_gpu_before_the_model_and_pool(four_gpus,
         launch.build_scheduler(_cfg(device="cuda", dp_size=2, base_gpu_id=1), "unused", None, print, dp_rank=1)
     me = threading.current_thread().name
     assert four_gpus == [(me, "cuda:2"), ("model", "cuda:2")]
+
+
+def test_tp_ranks_take_neighbouring_gpus(four_gpus) -> None:
+    """DP rank r, TP rank t on GPU base + r * tp_size + t; dp x tp past the visible GPUs is refused."""
+    cfg = _cfg(device="cuda", dp_size=2, tp_size=2)
+    assert [rank_device(cfg, r, t) for r in range(2) for t in range(2)] == [f"cuda:{i}" for i in range(4)]
+    assert rank_device(_cfg(device="cuda", tp_size=2, base_gpu_id=2), 0, 1) == "cuda:3"
+    with pytest.raises(ValueError, match="dp_size 2 x tp_size 4 needs GPUs 0..7, but 4 are visible"):
+        check_devices(_cfg(device="cuda", dp_size=2, tp_size=4))
+    with pytest.raises(ValueError, match="outside"):
+        rank_device(cfg, 0, 2)
 
 
 def test_the_forward_thread_makes_the_rank_gpu_current(four_gpus, monkeypatch) -> None:
