@@ -220,3 +220,30 @@ def test_the_digest_stops_ranks_that_diverge() -> None:
     assert batch_digest(mwb) != d
     with pytest.raises(RanksDiverged, match="step 7"):
         check_same_batch(_FakeGroup([d]), mwb, 7)
+
+
+def test_dp2_x_tp2_gives_tp1_tokens(engine, tp1_tokens) -> None:
+    """Four processes: two replicas of two ranks each, requests spread round-robin."""
+    eng = engine("tiny", dp_size=2, tp_size=2, debug_tp_digest=True, max_total_tokens=4096,
+                 disable_overlap_schedule=True)
+    assert [o["token_ids"] for o in eng.generate(PROMPTS * 2, GREEDY)] == tp1_tokens["normal"]
+    assert [len(r.info["tp_ranks"]) for r in eng.flush_cache()] == [2, 2]
+
+
+def test_a_dead_rank_fails_the_engine_at_once(model_path) -> None:
+    """A follower killed: rank 0's next broadcast fails (gloo sees the closed pair), it reports
+    why and exits; requests then fail with that reason instead of hanging."""
+    from waits import wait_until
+
+    from tandem import Engine
+
+    eng = Engine(str(model_path("tiny")), tp_size=2, dtype="float32", max_total_tokens=4096)
+    try:
+        assert eng.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 0})
+        eng._backend.procs[1].kill()
+        wait_until(lambda: eng.error is not None, 60, "the engine to see the dead rank")
+        assert "rank 0.tp0 failed" in str(eng.error) or "exited" in str(eng.error)
+        with pytest.raises(RuntimeError, match="scheduler"):
+            eng.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 0})
+    finally:
+        eng.shutdown()
