@@ -37,6 +37,7 @@ from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.pd import protocol as pd
 from tandem.pd.control.channel import PeerDown, PeerMsg
+from tandem.pd.tick_codec import TICK_CODEC
 from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.protocol.messages import GenerateReq
 
@@ -51,6 +52,7 @@ class DecodeReceiver:
     """The decode role's RolePart (engine/scheduler/role_part.py)."""
 
     contiguous_pages = True  # arriving KV lands in runs of pages: fewer transfer descriptors
+    tick_codec = TICK_CODEC
 
     def __init__(self, sched: Scheduler, transfer: KVTransfer, peers: PrefillPeers, slots: FirstTokenSlots,
                  allow: Allowlist) -> None:

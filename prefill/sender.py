@@ -27,6 +27,7 @@ from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.pd import protocol as pd
 from tandem.pd.control.channel import PeerDown, PeerMsg
 from tandem.pd.parts import TransferParts, refused
+from tandem.pd.tick_codec import TICK_CODEC
 from tandem.prefill.outgoing import Early, Outgoing, Phase
 from tandem.protocol.messages import GenerateReq
 
@@ -43,6 +44,7 @@ class PrefillSender:
     """The prefill role's RolePart (engine/scheduler/role_part.py)."""
 
     contiguous_pages = True  # a request's KV leaves in runs of pages: fewer transfer descriptors
+    tick_codec = TICK_CODEC
 
     def __init__(self, sched: Scheduler, parts: TransferParts) -> None:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache

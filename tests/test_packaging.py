@@ -49,3 +49,4 @@ def test_both_roles_implement_the_role_part_seam() -> None:
     for part in (PrefillSender, DecodeReceiver):
         assert all(callable(getattr(part, name, None)) for name in hooks), part
         assert part.contiguous_pages is True
+        assert part.tick_codec is not None  # TP rank 0 passes the part's inbox messages on in its tick

@@ -3,7 +3,8 @@ collectives the engine uses.
 
     model      all_reduce (row-parallel o/down, the embedding), all_gather (the LM head's logits)
     scheduler  broadcast_bytes (rank 0's inputs each iteration, tick.py), all_gather_ints
-               (the step digest, digest.py; the pool size every rank agrees on)
+               (the step digest, digest.py; the pool size every rank agrees on),
+               all_gather_bytes (a PD role's handshake halves and transfers done per rank)
 
 On CUDA the model's collectives run over NCCL; the scheduler's always over a second, gloo
 group on the host, so a broadcast of inputs never waits behind a forward, nor mixes with one.
@@ -86,6 +87,19 @@ class TPGroup:
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(parts, mine, group=self.cpu_group)
         return [p.tolist() for p in parts]
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Each rank's `data` (any length), in rank order: the lengths first, then the bytes
+        padded to the longest."""
+        if self.size == 1:
+            return [data]
+        lengths = [n[0] for n in self.all_gather_ints([len(data)])]
+        mine = torch.zeros(max(lengths), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
+        return [p[:n].numpy().tobytes() for p, n in zip(parts, lengths)]
 
     def min_int(self, value: int) -> int:
         return min(v[0] for v in self.all_gather_ints([value]))

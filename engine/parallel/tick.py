@@ -9,7 +9,9 @@ socket, and everything it knows that the others cannot goes out in one broadcast
     grammar   which queued grammars it found compiled (or failed, and why): the compile
               thread finishes at a different moment on each rank, so rank 0 decides
 
-Encoded as versioned JSON by tandem.protocol.messages, never pickled (group.py says why).
+Encoded as versioned JSON, never pickled (group.py says why): the front's messages by
+tandem.protocol.messages, a PD role's own inbox messages (control frames, a dead peer) by the
+`TickCodec` its part brings (RolePart.tick_codec), so the engine imports nothing of the roles.
 """
 
 from __future__ import annotations
@@ -17,13 +19,35 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.engine.parallel.group import TPGroup
 from tandem.protocol.messages import decode, encode
 
-TICK_VERSION = 1
+TICK_VERSION = 2  # 2: a role part's messages, {"part": ...}
 GrammarVerdict = tuple[str, str | None]  # (rid, None: compiled | the reason it failed)
+
+
+class TickCodec(Protocol):
+    """A role part's inbox messages as JSON values (tandem/pd/tick_codec.py)."""
+
+    def encode(self, msg: Any) -> Any | None:
+        """`msg` as a JSON value, or None: not one of the part's messages."""
+
+    def decode(self, obj: Any) -> Any:
+        """What encode gave, as the message again."""
+
+
+def _encode_msg(msg: Any, codec: TickCodec | None) -> Any:
+    part = codec.encode(msg) if codec is not None else None
+    return encode(msg).decode() if part is None else {"part": part}
+
+
+def _decode_msg(obj: Any, codec: TickCodec | None) -> Any:
+    if isinstance(obj, str):
+        return decode(obj.encode())
+    assert codec is not None, "a role part's message in a tick without the part's codec"
+    return codec.decode(obj["part"])
 
 
 @dataclass
@@ -32,25 +56,26 @@ class Tick:
     msgs: list[Any] = field(default_factory=list)
     grammar: list[GrammarVerdict] = field(default_factory=list)
 
-    def encode(self) -> bytes:
+    def encode(self, codec: TickCodec | None = None) -> bytes:
         return json.dumps({"v": TICK_VERSION, "now": self.now, "grammar": self.grammar,
-                           "msgs": [encode(m).decode() for m in self.msgs]}).encode()
+                           "msgs": [_encode_msg(m, codec) for m in self.msgs]}).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> Tick:
+    def decode(cls, data: bytes, codec: TickCodec | None = None) -> Tick:
         obj = json.loads(data)
         if obj.get("v") != TICK_VERSION:
             raise ValueError(f"tick version {obj.get('v')} != {TICK_VERSION}")
-        return cls(float(obj["now"]), [decode(m.encode()) for m in obj["msgs"]],
+        return cls(float(obj["now"]), [_decode_msg(m, codec) for m in obj["msgs"]],
                    [(str(rid), why) for rid, why in obj["grammar"]])
 
 
-def exchange(tp: TPGroup, msgs: list[Any] | None, grammar: list[GrammarVerdict] | None) -> Tick:
+def exchange(tp: TPGroup, msgs: list[Any] | None, grammar: list[GrammarVerdict] | None,
+             codec: TickCodec | None = None) -> Tick:
     """Rank 0 passes what it received and decided; every rank gets the same Tick back."""
     if tp.leader:
         tick = Tick(time.monotonic(), list(msgs or []), list(grammar or []))
         if tp.size == 1:
             return tick
-        tp.broadcast_bytes(tick.encode())
+        tp.broadcast_bytes(tick.encode(codec))
         return tick
-    return Tick.decode(tp.broadcast_bytes(None))
+    return Tick.decode(tp.broadcast_bytes(None), codec)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from tandem.engine.parallel.tick import TickCodec
     from tandem.engine.scheduler.req import Req
     from tandem.engine.scheduler.schedule_batch import ScheduleBatch
     from tandem.engine.scheduler.scheduler import Scheduler
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 class RolePart(Protocol):
     # The part's own inbox messages (control-channel frames, peer events) and their handlers.
     handlers: Mapping[type, Callable[[Any], Any]]
+    # Those messages reach TP rank 0's inbox alone: rank 0 passes them on in its tick.
+    tick_codec: TickCodec
     # Hand out free KV pages lowest-first so a request's pages are mostly consecutive: a KV
     # transfer then moves each run as one descriptor per layer and K/V, not one per page.
     contiguous_pages: bool

@@ -125,7 +125,8 @@ class Scheduler:
         if self.tp.size == 1:
             self.now = time.monotonic()
             return msgs or []
-        tick = exchange(self.tp, msgs, self.grammar.queue.decide() if self.tp.leader else None)
+        codec = self.part.tick_codec if self.part is not None else None
+        tick = exchange(self.tp, msgs, self.grammar.queue.decide() if self.tp.leader else None, codec)
         self.now, self.grammar.verdicts = tick.now, tick.grammar
         return tick.msgs
 
