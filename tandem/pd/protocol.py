@@ -2,8 +2,8 @@
 rank, torch-free and versioned (docs/pd.md has the sequence diagram).
 
     decode                                     prefill (ROUTER on its bootstrap port)
-    Hello(identity, layout, agent, meta) --->  checks compatibility
-                                        <---   Welcome(ok | error, its identity, layout, agent, meta)
+    Hello(identity, layout, agent, meta, ranks) --->  checks compatibility
+                                        <---   Welcome(ok | error, its identity, layout, agent, meta, ranks)
     KVDest(room, dst pages, skip, slot) --->   request waits for this before it is computed
                                         <---   NIXL WRITEs per chunk, notify "room:chunk:total|-"
     KVCancel(room, reason)              <-->   either side gives up a room (abort, failure, local prefill)
@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tandem.pd.schema import BadMessage as BadMessage
-from tandem.pd.schema import Spec, boolean, int_list, one_of, record, text, uint, where
+from tandem.pd.schema import Spec, boolean, int_list, list_of, one_of, record, text, uint, where
 
 # 2: the layout says where the KV lives (mem_type, device_id)
 # 3: the layout holds a range of the model's KV heads (tensor parallelism: head_start,
 #    total_kv_heads), and the identity's num_kv_heads is the model's, not one rank's
-PD_VERSION = 3
+# 4: Hello and Welcome carry every TP rank's half (`ranks`): each rank is its own NIXL agent
+PD_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -68,6 +69,9 @@ class Hello:
     layout: dict[str, Any]
     agent: str  # NIXL agent metadata, base64
     meta: dict[str, Any]
+    # TP ranks 1.. of the sender, each {layout, agent, meta} (the fields above are rank 0's;
+    # the identity is every rank's): tandem/pd/transfer/head_map.py pairs the ranks.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Welcome:
     layout: dict[str, Any] = field(default_factory=dict)
     agent: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # as Hello's
 
     def __post_init__(self) -> None:
         self.error = self.error[:MAX_TEXT]  # the schema's bound: a longer one would be refused
@@ -132,6 +137,7 @@ ADDR_LIMIT = 2**64
 MAX_NAME, MAX_TEXT, MAX_AGENT = 128, 4096, 256 * 1024  # agent: base64 NIXL metadata (~0.5 KiB on UCX)
 MAX_PAGES = 1 << 18  # a bound for the parser; prefill checks the count against the prompt
 MAX_KV_HEADS = 1 << 16  # models have at most a few hundred; bounds head_map's per-head loop
+MAX_TP_RANKS = 64  # a worker's TP ranks: bounds a handshake's `ranks` (and head_map's rank loops)
 
 _count, _positive = uint(COUNT_LIMIT), uint(COUNT_LIMIT, lo=1)
 _heads, _some_heads = uint(MAX_KV_HEADS), uint(MAX_KV_HEADS, lo=1)
@@ -151,7 +157,8 @@ _LAYOUT = where(record({"num_layers": _positive, "num_kv_heads": _some_heads, "h
                         "head_start": _heads, "total_kv_heads": _heads}, may_be_empty=True),
                 _heads_fit, "head_start + num_kv_heads over total_kv_heads")
 _META = record({"addr": uint(ADDR_LIMIT), "slot_bytes": _positive, "slots": _positive}, may_be_empty=True)
-_HALF = {"identity": _IDENTITY, "layout": _LAYOUT, "agent": text(MAX_AGENT), "meta": _META}  # describe()
+_RANK = {"layout": _LAYOUT, "agent": text(MAX_AGENT), "meta": _META}  # one TP rank's agent
+_HALF = {"identity": _IDENTITY, **_RANK, "ranks": list_of(record(_RANK), MAX_TP_RANKS - 1)}  # describe()
 _ROOM, _NAME, _TEXT = uint(ROOM_LIMIT), text(MAX_NAME), text(MAX_TEXT)
 SCHEMAS: dict[type, Spec] = {
     Hello: record({"name": _NAME, **_HALF}),
@@ -195,9 +202,9 @@ def _check_half(msg: Hello | Welcome) -> None:
     """A Hello and an accepting Welcome carry a whole half (describe()); a refusal carries none of it."""
     full = not isinstance(msg, Welcome) or msg.ok
     parts = (msg.identity, msg.layout, msg.meta, msg.agent)
-    if full and not all(parts):
-        raise BadMessage(f"{type(msg).__name__}: identity, layout, agent and meta are required")
-    if not full and any(parts):
+    if full and not (all(parts) and all(all(r.values()) for r in msg.ranks)):
+        raise BadMessage(f"{type(msg).__name__}: identity, layout, agent and meta are required (of every rank)")
+    if not full and (any(parts) or msg.ranks):
         raise BadMessage("a refusing Welcome carries only its error")
 
 

@@ -74,6 +74,19 @@ def int_list(max_len: int, hi: int) -> Spec:
     return check
 
 
+def list_of(item: Spec, max_len: int) -> Spec:
+    """A list of at most max_len values, each passing `item`."""
+
+    def check(v: Any, path: str) -> list[Any]:
+        if type(v) is not list or len(v) > max_len:
+            raise BadMessage(f"{path}: a list of at most {max_len} items expected, got {type(v).__name__}")
+        for i, x in enumerate(v):
+            item(x, f"{path}[{i}]")
+        return v
+
+    return check
+
+
 def record(fields: Mapping[str, Spec], may_be_empty: bool = False) -> Spec:
     """A JSON object with exactly these keys (or, with may_be_empty, exactly none)."""
 

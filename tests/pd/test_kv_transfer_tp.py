@@ -195,7 +195,7 @@ def _hello(**layout: int) -> bytes:
     half = Rank(4, 2, 1, SRC_PAGES).layout.to_dict() | layout
     ident = dataclasses.asdict(pd.Identity(pd.PD_VERSION, "m", "bfloat16", PAGE, LAYERS, 4, DIM))
     body = {"name": "d", "identity": ident, "layout": half, "agent": "bWV0YQ==",
-            "meta": {"addr": 4096, "slot_bytes": 344, "slots": 4}}
+            "meta": {"addr": 4096, "slot_bytes": 344, "slots": 4}, "ranks": []}
     return json.dumps({"v": pd.PD_VERSION, "type": "Hello", "body": body}).encode()
 
 
@@ -204,7 +204,7 @@ def test_a_tp_layout_crosses_the_handshake_and_old_layout_dicts_still_load() -> 
     assert isinstance(msg, pd.Hello) and KVLayout(**msg.layout).heads == (2, 4)
     old = {k: v for k, v in msg.layout.items() if k not in ("head_start", "total_kv_heads")}
     assert KVLayout(**old).heads == (0, 2) and KVLayout(**old).total_heads == 2  # no TP: all of them
-    assert pd.PD_VERSION == 3
+    assert pd.PD_VERSION == 4
 
 
 small_or_huge = st.integers(0, 8) | st.integers(0, 2**70)

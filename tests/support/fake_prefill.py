@@ -54,7 +54,8 @@ class FakePrefill:
 
     def _answers(self, hello: dict) -> list[list[bytes]]:
         if self.mode == "empty":
-            body = {"name": "fake", "ok": True, "error": "", "identity": {}, "layout": {}, "agent": "", "meta": {}}
+            body = {"name": "fake", "ok": True, "error": "", "identity": {}, "layout": {}, "agent": "", "meta": {},
+                    "ranks": []}
             return [[json.dumps({"v": pd.PD_VERSION, "type": "Welcome", "body": body}).encode()]]
         if self.mode == "garbage":
             return [[b"[]"], [b"1"], [b"[" * 200_000], [b"\xff\xfe"], [b"a", b"b"]]
