@@ -1,10 +1,11 @@
 """Arrival: which KV notifications a decode rank believes.
 
 NIXL delivers a notification with the name of the agent that wrote it. One counts only
-when it parses (pd.parse_notify) and comes from the agent of the prefill its room was
-assigned to: another prefill, even an authenticated one, cannot complete (or corrupt the
-count of) a room it does not serve. Anything else is dropped and counted, with a
-rate-limited warning, and the room goes on waiting (its transfer timeout still holds).
+when it parses (pd.parse_notify) and comes from an agent of the prefill its room was
+assigned to (under TP, one of the prefill ranks writing into this rank): another prefill,
+even an authenticated one, cannot complete (or corrupt the count of) a room it does not
+serve. Anything else is dropped and counted, with a rate-limited warning, and the room
+goes on waiting (its transfer timeout still holds).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Arrival:
         if inc is None:
             return None  # a late one for a room that ended
         peer = self.peers.peers.get(inc.peer)
-        if peer is None or peer.agent != agent:
+        if peer is None or agent not in peer.agents:
             self._refuse(agent, f"a notification for room {room}, which {inc.peer or 'no prefill'} serves")
             return None
         return inc, total

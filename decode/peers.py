@@ -10,18 +10,21 @@ peers and what they resolve to ever get here). Nothing is sticky: a dead or rest
 prefill is forgotten and the next request to its address handshakes again, so decode
 never needs a restart of its own; a configured peer is handshaken again by
 keep_connected, at most every RETRY_S.
+
+Tensor parallelism: rank 0 alone connects and sends (the others' channel is a
+FollowerChannel); every rank keeps this table alike from the same ticks and the same
+clock, and a READY peer's link names the prefill ranks' agents writing into this rank.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.pd import protocol as pd
-from tandem.pd.parts import TransferParts, refused
+from tandem.pd.parts import Link, TransferParts, refused
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +35,28 @@ RETRY_S = 1.0  # a configured peer that failed is handshaken again after this
 class Peer:
     key: str
     since: float
-    agent: str | None = None  # its NIXL agent name once READY
+    link: Link | None = None  # once READY: its ranks writing into this rank
     name: str = ""  # its instance name (changes when it restarts)
 
     @property
     def ready(self) -> bool:
-        return self.agent is not None
+        return self.link is not None
+
+    @property
+    def agents(self) -> set[str]:
+        """The NIXL agents whose notifications this rank believes."""
+        return set(self.link.agents.values()) if self.link is not None else set()
+
+    @property
+    def writers(self) -> int:
+        """Notifications per chunk on this rank: one from each prefill rank writing it."""
+        return len(self.link.writes) if self.link is not None else 0
 
 
 class PrefillPeers:
-    def __init__(self, parts: TransferParts, timeout: float, configured: Sequence[str] = ()) -> None:
-        self.parts, self.channel, self.transfer = parts, parts.channel, parts.transfer
+    def __init__(self, parts: TransferParts, timeout: float, configured: Sequence[str],
+                 clock: Callable[[], float]) -> None:
+        self.parts, self.channel, self.transfer, self.clock = parts, parts.channel, parts.transfer, clock
         self.hello = pd.Hello(parts.name, **parts.describe())
         self.timeout = timeout
         self.configured = list(configured)
@@ -54,14 +68,14 @@ class PrefillPeers:
         """The peer at `key` ("host:port", allowed already), starting its handshake if it is new."""
         peer = self.peers.get(key)
         if peer is None:
-            peer = self.peers[key] = Peer(key, time.monotonic())
+            peer = self.peers[key] = Peer(key, self.clock())
             self.channel.connect(key, f"tcp://{key}")
             self.channel.send(key, self.hello)
         return peer
 
     def keep_connected(self) -> None:
         """Configured peers are always being handshaken: readiness depends on them."""
-        now = time.monotonic()
+        now = self.clock()
         for key in self.configured:
             if key not in self.peers and now >= self.retry_at.get(key, 0.0):
                 self.get(key)
@@ -73,9 +87,9 @@ class PrefillPeers:
             return None  # an answer to a handshake we gave up on
         error = w.error if not w.ok else None  # a refusal names the fields only
         if error is None:
-            peer.agent, problems = self.parts.add_peer(w)
+            peer.link, problems = self.parts.add_peer(w)
             error = refused(problems, detail=True) if problems else None
-        if peer.agent is None:
+        if peer.link is None:
             self.handshake_failures += 1
             log.error("prefill %s: %s", key, error)
             self.drop(key, retry=self.timeout)  # a mismatch holds until one side is redeployed
@@ -86,16 +100,16 @@ class PrefillPeers:
         return None
 
     def expired(self) -> list[str]:
-        now = time.monotonic()
+        now = self.clock()
         return [p.key for p in self.peers.values() if not p.ready and now - p.since > self.timeout]
 
     def drop(self, key: str, retry: float = RETRY_S) -> None:
         if key in self.configured:
-            self.retry_at[key] = time.monotonic() + retry
+            self.retry_at[key] = self.clock() + retry
         peer = self.peers.pop(key, None)
         self.channel.forget(key)
-        if peer is not None and peer.agent is not None:
-            self.transfer.remove_peer(peer.agent)
+        if peer is not None and peer.link is not None:
+            self.parts.drop(peer.link)
 
     def any_ready(self) -> bool:
         return any(p.ready for p in self.peers.values())

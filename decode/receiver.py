@@ -16,10 +16,16 @@ an abort during transfer sends KVCancel and keeps them until prefill answers KVC
 prefilled here, like colocated. Prefix reuse: the prompt is matched against decode's own
 radix cache first and prefill sends only the pages from the first uncached one. What
 prefill writes is checked before use: notifications (arrival.py) and the first token.
+
+Tensor parallelism: every rank runs this part alike (rank 0's control messages reach the
+others in the tick; its clock is `sched.now`). Each rank's shard is written by the prefill
+ranks head_map pairs it with, each notifying per chunk; a room joins the running batch once
+it has fully arrived on every rank (tandem/pd/agree.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -36,6 +42,7 @@ from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.pd import protocol as pd
+from tandem.pd.agree import Agreement
 from tandem.pd.control.channel import PeerDown, PeerMsg
 from tandem.pd.tick_codec import TICK_CODEC
 from tandem.pd.transfer.first_token import FirstTokenSlots
@@ -59,6 +66,7 @@ class DecodeReceiver:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.transfer, self.peers, self.slots, self.allow = transfer, peers, slots, allow
         self.arrival = Arrival(peers)
+        self.agree = Agreement(sched.tp)
         self.vocab_size = sched.runner.vocab_size
         self.queue: deque[Incoming] = deque()  # resolving + bootstrap + prealloc, in arrival order
         self.rooms: dict[int, Incoming] = {}
@@ -74,25 +82,31 @@ class DecodeReceiver:
     def admit(self, req: Req, msg: GenerateReq) -> bool:
         if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
             return False  # no prefill named: prefill here
-        inc = Incoming(req, msg.bootstrap_room, "", time.monotonic(), Stage.RESOLVING, msg.bootstrap_host,
+        inc = Incoming(req, msg.bootstrap_room, "", self.sched.now, Stage.RESOLVING, msg.bootstrap_host,
                        msg.bootstrap_port)
         if inc.room in self.rooms:
             self._fail(inc, f"bootstrap_room {inc.room} is already in use")
             return True
         self.rooms[inc.room], self.by_rid[req.rid] = inc, inc
         self.queue.append(inc)
-        self._place(inc)
+        self._place([inc])
         return True
 
-    def _place(self, inc: Incoming) -> None:
-        """Start the handshake with the request's prefill if decode may talk to it (allowlist.py);
-        a PENDING one is placed again at the next poll."""
-        verdict, key = self.allow.check(inc.host, inc.port)
-        if verdict is Verdict.REFUSED:
-            self.stats["refused_addresses"] += 1
-            self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
-        elif verdict is Verdict.ALLOWED:
-            inc.peer, inc.stage = key, Stage.PREALLOC if self.peers.get(key).ready else Stage.BOOTSTRAP
+    def _place(self, incs: list[Incoming]) -> None:
+        """Start the handshake with each request's prefill if decode may talk to it (allowlist.py);
+        a PENDING one is placed again at the next poll. Under TP rank 0's verdicts hold on every
+        rank (a collective): DNS answers each rank at its own moment."""
+        tp = self.sched.tp
+        verdicts = [self.allow.check(i.host, i.port) for i in incs] if tp.leader else []
+        if tp.size > 1:
+            sent = json.loads(tp.broadcast_bytes(json.dumps(verdicts).encode() if tp.leader else None))
+            verdicts = [(Verdict(v), str(k)) for v, k in sent]
+        for inc, (verdict, key) in zip(incs, verdicts):
+            if verdict is Verdict.REFUSED:
+                self.stats["refused_addresses"] += 1
+                self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
+            elif verdict is Verdict.ALLOWED:
+                inc.peer, inc.stage = key, Stage.PREALLOC if self.peers.get(key).ready else Stage.BOOTSTRAP
 
     def abort(self, rid: str) -> bool:
         inc = self.by_rid.get(rid)
@@ -141,6 +155,7 @@ class DecodeReceiver:
 
     def poll(self) -> None:
         self.peers.channel.check()  # a dead control thread stops the scheduler: liveness fails
+        arrived: list[tuple[str, str]] = []  # rooms whole on this rank
         for agent, note in self.transfer.poll().received:
             got = self.arrival.note(agent, note, self.rooms)
             if got is None or got[0].stage not in (Stage.TRANSFER, Stage.CANCELLING):
@@ -148,10 +163,18 @@ class DecodeReceiver:
             inc, total = got
             inc.chunks += 1
             inc.total = total if total is not None else inc.total
-            if inc.stage == Stage.TRANSFER and inc.chunks == inc.total:
-                self._complete(inc)
-        for inc in [i for i in self.queue if i.stage == Stage.RESOLVING]:
-            self._place(inc)
+            writers = self.peers.peers[inc.peer].writers  # Arrival checked the peer is READY
+            if inc.stage == Stage.TRANSFER and inc.total is not None and inc.chunks == inc.total * writers:
+                arrived.append((str(inc.room), ""))
+        # Skipped alike on every rank while no room is in transfer (no collective to agree on).
+        if any(i.stage == Stage.TRANSFER for i in self.rooms.values()):
+            for room, _ in self.agree.done(arrived):
+                inc = self.rooms.get(int(room))  # _forget drops a room's reports: it is still here
+                if inc is not None and inc.stage == Stage.TRANSFER:
+                    self._complete(inc)
+        resolving = [i for i in self.queue if i.stage == Stage.RESOLVING]
+        if resolving:
+            self._place(resolving)
         self.peers.keep_connected()
         self._preallocate()
         self._expire()
@@ -190,7 +213,7 @@ class DecodeReceiver:
         pages = (slots[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page
         self.peers.channel.send(inc.peer, pd.KVDest(inc.room, pages, skip, inc.slot, n))
         self.stats["reused_tokens"] += skip
-        inc.stage, inc.since = Stage.TRANSFER, time.monotonic()
+        inc.stage, inc.since = Stage.TRANSFER, self.sched.now
         self.queue.remove(inc)
         return True
 
@@ -223,7 +246,7 @@ class DecodeReceiver:
         self.sched.output.stream([req])
 
     def _expire(self) -> None:
-        now, cfg = time.monotonic(), self.cfg
+        now, cfg = self.sched.now, self.cfg
         for key in self.peers.expired():
             self.peers.drop(key)
             for inc in [i for i in self.queue if i.peer == key and i.stage == Stage.BOOTSTRAP]:
@@ -249,7 +272,7 @@ class DecodeReceiver:
             return
         self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
         self._finish(inc.req, why)
-        inc.stage, inc.since = Stage.CANCELLING, time.monotonic()
+        inc.stage, inc.since = Stage.CANCELLING, self.sched.now
 
     def _fail(self, inc: Incoming, why: str, status: int = 503) -> None:
         """The room is over: free what it holds, finish the request with `why` if it runs
@@ -276,6 +299,7 @@ class DecodeReceiver:
             inc.slot = None
         if self.rooms.get(inc.room) is inc:  # a request refused for reusing a room leaves the room's owner
             del self.rooms[inc.room]
+            self.agree.forget(str(inc.room))
         if self.by_rid.get(inc.req.rid) is inc:
             del self.by_rid[inc.req.rid]
 
@@ -297,4 +321,5 @@ class DecodeReceiver:
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
+        assert not len(self.agree), f"{len(self.agree)} rooms' arrival reports kept while idle"
         self.slots.check_integrity(in_use=0)

@@ -1,4 +1,5 @@
-"""The prefill role: the colocated scheduler plus a KV sender, listening on the bootstrap port."""
+"""The prefill role: the colocated scheduler plus a KV sender, listening on the bootstrap port
+(TP rank 0's; under tensor parallelism every rank attaches one, a collective: tandem/pd/parts.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ if TYPE_CHECKING:
 
 def attach(sched: Scheduler, model_path: str) -> PrefillSender:
     cfg = sched.config
-    if cfg.tp_size > 1:  # the transfer layer moves head slices (tandem/pd/transfer/head_map.py); the role does not yet
-        raise ValueError("a prefill worker runs tp_size 1 for now: PD between tensor-parallel workers is not wired yet")
     if cfg.dp_size > 1:
         raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")
     parts = transfer_parts(sched, model_path, PREFILL)

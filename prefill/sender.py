@@ -14,21 +14,26 @@ requests it admits until decode's pages arrive, sends after each prefill batch, 
 a finished request's KV (RolePart.release) until NIXL reports its sends done.
 Every way out (abort, decode's KVCancel, a failed send, a dead decode) ends in `_settle`,
 which releases the KV once no send is in flight and tells decode what happened.
+
+Tensor parallelism: every rank runs this part alike (rank 0's control messages reach the
+others in the tick; its clock is `sched.now`). A chunk's send is each rank writing its heads
+(RankSends), and it counts as reported once every rank has reported its share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.pd import protocol as pd
+from tandem.pd.agree import Agreement
 from tandem.pd.control.channel import PeerDown, PeerMsg
-from tandem.pd.parts import TransferParts, refused
+from tandem.pd.parts import Link, TransferParts, refused
 from tandem.pd.tick_codec import TICK_CODEC
 from tandem.prefill.outgoing import Early, Outgoing, Phase
+from tandem.prefill.rank_sends import RankSends
 from tandem.protocol.messages import GenerateReq
 
 if TYPE_CHECKING:
@@ -50,7 +55,8 @@ class PrefillSender:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
-        self.peers: dict[str, str] = {}  # decode name -> its NIXL agent name
+        self.peers: dict[str, Link] = {}  # decode name -> the agents of its ranks this rank writes
+        self.sends = RankSends(self.transfer, Agreement(sched.tp))
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, Early] = {}
@@ -67,7 +73,7 @@ class PrefillSender:
             self._finish(req, "a prefill worker needs bootstrap_room (send requests through a PD router)")
             return True
         req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        og = Outgoing(req, msg.bootstrap_room, time.monotonic())
+        og = Outgoing(req, msg.bootstrap_room, self.sched.now)
         if og.room in self.rooms:
             self._finish(req, f"bootstrap_room {og.room} is already in use")
             return True
@@ -106,13 +112,13 @@ class PrefillSender:
         handler(m.peer, m.msg)
 
     def on_hello(self, peer: str, hello: pd.Hello) -> None:
-        agent, problems = self.parts.add_peer(hello)
-        if agent is None:
+        link, problems = self.parts.add_peer(hello)
+        if link is None:
             self.stats["handshake_failures"] += 1
             log.error("decode %s: %s", peer, refused(problems, detail=True))
             self.channel.send(peer, pd.Welcome(self.parts.name, False, refused(problems, detail=False)))
             return
-        self.peers[peer] = agent
+        self.peers[peer] = link
         self.stats["handshakes"] += 1
         log.info("handshake with decode %s", peer)
         self.channel.accept(peer)
@@ -124,7 +130,7 @@ class PrefillSender:
             return
         og = self.rooms.get(dest.room)
         if og is None:
-            self._keep_early(dest.room, Early(time.monotonic(), peer, dest=dest))
+            self._keep_early(dest.room, Early(self.sched.now, peer, dest=dest))
         elif og.phase is Phase.AWAITING_DEST:
             self._take_dest(og, peer, dest)
 
@@ -133,7 +139,7 @@ class PrefillSender:
         if peer not in self.peers or (og is not None and og.peer not in ("", peer)):
             return  # only a decode with a handshake cancels, and only its own rooms
         if og is None:  # not here yet, or settled already: either way nothing will be written
-            self._keep_early(msg.room, Early(time.monotonic(), peer, cancel=msg.reason))
+            self._keep_early(msg.room, Early(self.sched.now, peer, cancel=msg.reason))
             self.channel.send(peer, pd.KVCancelled(msg.room))
             return
         og.cancel_ack = og.peer == peer or not og.peer
@@ -142,12 +148,12 @@ class PrefillSender:
 
     def on_peer_down(self, m: PeerDown) -> None:
         log.error("decode %s is gone: %s", m.peer, m.reason)
-        agent = self.peers.pop(m.peer, None)
+        link = self.peers.pop(m.peer, None)
         for og in [og for og in self.rooms.values() if og.peer == m.peer]:
             og.peer = ""  # nobody to tell
             self._end(og, f"decode {m.peer} is gone: {m.reason}")
-        if agent is not None:
-            self.transfer.remove_peer(agent)  # its unfinished sends come back failed from poll
+        if link is not None:
+            self.parts.drop(link)  # its unfinished sends come back failed from poll
         self.poll()
 
     def _keep_early(self, room: int, early: Early) -> None:
@@ -186,13 +192,18 @@ class PrefillSender:
             top = req.top_logprobs[0] if req.top_logprobs else []
             self.slots.write(og.slot, req.output_ids[0], req.logprobs[0] if req.logprobs else None, top)
             slot = (og.slot, dest.slot)
-        og.chunks += 1
-        try:
-            self.transfer.send(self.peers[og.peer], str(og.room), src, dst,
-                               pd.notify(og.room, og.chunks, og.chunks if last else None), slot=slot)
-        except (KeyError, ValueError) as exc:
-            self._end(og, f"KV send refused: {exc}")
+        link = self.peers.get(og.peer)
+        if link is None:
+            self._end(og, f"KV send refused: no handshake with decode {og.peer}")
             return
+        og.chunks += 1
+        note = pd.notify(og.room, og.chunks, og.chunks if last else None)
+        # Every decode rank this rank writes gets its heads of the pages; the plan's one write
+        # per decode rank that carries the first token takes the slot.
+        self.sends.start(f"{og.room}:{og.chunks}", [
+            lambda w=w: self.transfer.send(link.agents[w.decode], f"{og.room}:{og.chunks}", src, dst, note,
+                                           slot=slot if w.slot else None, heads=w.heads)
+            for w in link.writes])
         og.in_flight += 1
         og.sent_upto = upto
         self.stats["sends"] += 1
@@ -203,17 +214,18 @@ class PrefillSender:
 
     def poll(self) -> None:
         self.channel.check()  # a dead control thread stops the scheduler: liveness fails
-        events = self.transfer.poll()
-        for done in events.sent:
-            og = self.rooms.get(int(done.room))
+        # Skipped alike on every rank while nothing is in flight (no collective to agree on).
+        reports = self.sends.poll() if any(og.in_flight for og in self.rooms.values()) else []
+        for key, error in reports:
+            og = self.rooms.get(int(key.split(":")[0]))
             if og is None:
                 continue
             og.in_flight -= 1
-            if not done.ok:
+            if error:
                 self.stats["failed"] += 1
-                self._end(og, f"KV transfer failed: {done.error}", override=True)
+                self._end(og, error, override=True)
             self._settle(og)
-        now = time.monotonic()
+        now = self.sched.now
         for og in list(self.rooms.values()):
             if og.phase is Phase.AWAITING_DEST and now - og.since > self.cfg.pd_bootstrap_timeout:
                 self.stats["bootstrap_timeouts"] += 1

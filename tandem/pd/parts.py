@@ -1,12 +1,18 @@
 """What both PD roles set up before their part is attached, and the handshake's two halves
 they share: the transfer agent with the KV buffer and first-token slots registered, the
 control channel, the identity, and UCX kept inside the KV port range the operator's
-NetworkPolicy opens."""
+NetworkPolicy opens.
+
+Tensor parallelism: every TP rank is its own transfer agent with its own KV shard; rank 0
+alone runs the control channel (the others a FollowerChannel) and speaks for all of them,
+so a half (describe()) carries every rank's agent, gathered over the TP group at attach.
+Each rank takes from the peer's half the agents head_map.plan_writes pairs it with."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -14,13 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.pd import protocol as pd
 from tandem.pd.control.channel import ControlChannel
+from tandem.pd.control.follower import FollowerChannel
 from tandem.pd.identity import identity_of
 from tandem.pd.transfer.contract import KVTransfer, TransferError
 from tandem.pd.transfer.first_token import FirstTokenSlots
+from tandem.pd.transfer.head_map import Write, plan_writes
 from tandem.protocol.kv_layout import KVLayout
-from tandem.worker_contract import DEFAULT_KV_PORT_COUNT, ENV_KV_PORT_BASE, ENV_KV_PORT_COUNT, ENV_PD_SECRET
+from tandem.worker_contract import (
+    DEFAULT_KV_PORT_COUNT,
+    ENV_KV_PORT_BASE,
+    ENV_KV_PORT_COUNT,
+    ENV_PD_SECRET,
+    PREFILL,
+)
 
 if TYPE_CHECKING:
+    from tandem.engine.parallel.group import TPGroup
     from tandem.engine.scheduler.scheduler import Scheduler
 
 
@@ -32,14 +47,25 @@ def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ig
         environ["UCX_TCP_PORT_RANGE"] = f"{base}-{base + count - 1}"
 
 
+@dataclass(frozen=True)
+class Link:
+    """This TP rank's side of one handshake: its writes in the plan (as the prefill rank of
+    each, or the decode rank) and the agents of the peer ranks it pairs with, by peer TP rank."""
+
+    writes: tuple[Write, ...]
+    agents: dict[int, str]
+
+
 @dataclass
 class TransferParts:
     transfer: KVTransfer
-    channel: ControlChannel
+    channel: ControlChannel | FollowerChannel
     identity: pd.Identity
     layout: KVLayout
     slots: FirstTokenSlots
-    agent_meta: bytes
+    role: str  # worker_contract.PREFILL or DECODE: this side of head_map's plan
+    tp: TPGroup
+    halves: list[dict[str, Any]]  # every TP rank's {layout, agent, meta}, in rank order
 
     @property
     def name(self) -> str:
@@ -47,26 +73,54 @@ class TransferParts:
 
     def describe(self) -> dict[str, Any]:
         """This side's half of the handshake (the body of Hello and of an accepting Welcome)."""
-        return {"identity": dataclasses.asdict(self.identity), "layout": self.layout.to_dict(),
-                "agent": base64.b64encode(self.agent_meta).decode(), "meta": dataclasses.asdict(self.slots.region())}
+        return {"identity": dataclasses.asdict(self.identity), **self.halves[0], "ranks": self.halves[1:]}
 
-    def add_peer(self, msg: pd.Hello | pd.Welcome) -> tuple[str | None, list[str]]:
-        """Take the other side's half (checked by pd.decode already): (its transfer agent's
-        name, []) or (None, the problems as "field: detail", for this side's log; refused()
-        says what the peer may be told)."""
+    def add_peer(self, msg: pd.Hello | pd.Welcome) -> tuple[Link | None, list[str]]:
+        """Take the other side's half (checked by pd.decode already): (this rank's Link, [])
+        or (None, the problems as "field: detail", for this side's log; refused() says what
+        the peer may be told). A collective under TP: every rank handles the same message in
+        the same tick, and the handshake holds only if every rank added its peers."""
         problems = self.identity.mismatch(pd.Identity(**msg.identity))
         if problems:
             return None, problems
+        halves = [{"layout": msg.layout, "agent": msg.agent, "meta": msg.meta}, *msg.ranks]
         try:
-            agent = base64.b64decode(msg.agent, validate=True)
+            agents = [base64.b64decode(h["agent"], validate=True) for h in halves]
         except ValueError:
             return None, ["agent: not base64"]
         try:
-            return self.transfer.add_peer(agent, KVLayout(**msg.layout), pd.MetaRegion(**msg.meta)), []
-        except TransferError as exc:  # the transfer engine refused the metadata
-            return None, [f"agent: {exc}"]
-        except ValueError as exc:  # KVLayout.mismatch
+            writes = self._plan([KVLayout(**h["layout"]) for h in halves])
+        except ValueError as exc:  # the ranks do not split one model's heads between them
             return None, [f"layout: {exc}"]
+        link, problem = Link(tuple(writes), {}), ""
+        for r in sorted({w.decode if self.role == PREFILL else w.prefill for w in writes}):
+            try:
+                link.agents[r] = self.transfer.add_peer(agents[r], KVLayout(**halves[r]["layout"]),
+                                                        pd.MetaRegion(**halves[r]["meta"]))
+            except TransferError as exc:  # the transfer engine refused the metadata
+                problem = f"agent: {exc}"
+            except ValueError as exc:  # KVLayout.mismatch
+                problem = f"layout: {exc}"
+            if problem:
+                break
+        if self.tp.size > 1 and self.tp.min_int(0 if problem else 1) == 0:
+            problem = problem or "agent: refused by another TP rank of this worker"
+        if problem:
+            self.drop(link)
+            return None, [problem]
+        return link, []
+
+    def _plan(self, peer: list[KVLayout]) -> list[Write]:
+        """This rank's writes: its sends on prefill, what it receives on decode."""
+        mine = [KVLayout(**h["layout"]) for h in self.halves]
+        if self.role == PREFILL:
+            return [w for w in plan_writes(mine, peer) if w.prefill == self.tp.rank]
+        return [w for w in plan_writes(peer, mine) if w.decode == self.tp.rank]
+
+    def drop(self, link: Link) -> None:
+        """Forget a peer's agents: this rank's unfinished sends to them come back failed from poll."""
+        for agent in link.agents.values():
+            self.transfer.remove_peer(agent)
 
 
 def refused(problems: list[str], detail: bool) -> str:
@@ -79,16 +133,24 @@ def refused(problems: list[str], detail: bool) -> str:
 
 
 def transfer_parts(sched: Scheduler, model_path: str, role: str) -> TransferParts:
+    """A collective under TP: every rank builds its own agent, and all learn each other's."""
     from tandem.pd.transfer.nixl_agent import NixlTransfer
 
     confine_ucx_ports()
-    cfg = sched.config
-    name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}"
+    cfg, tp = sched.config, sched.tp
+    name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}" + (f"-tp{tp.rank}" if tp.size > 1 else "")
     transfer = NixlTransfer(name, timeout=cfg.pd_transfer_timeout)
-    # From the env only: a flag would show in `ps`, an engine option in /get_server_info.
-    secret = os.environ.get(ENV_PD_SECRET) or None
-    channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
+    channel: ControlChannel | FollowerChannel
+    if tp.leader:
+        # From the env only: a flag would show in `ps`, an engine option in /get_server_info.
+        secret = os.environ.get(ENV_PD_SECRET) or None
+        channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
+    else:
+        channel = FollowerChannel(name)
     layout = sched.runner.kv_pool.layout()
     slots = FirstTokenSlots(cfg.max_running_requests, device=sched.runner.kv_pool.kv_buffer.device)
     meta = transfer.register(layout, slots.region())
-    return TransferParts(transfer, channel, identity_of(sched.runner, model_path), layout, slots, meta)
+    half = {"layout": layout.to_dict(), "agent": base64.b64encode(meta).decode(),
+            "meta": dataclasses.asdict(slots.region())}
+    halves = [json.loads(h) for h in tp.all_gather_bytes(json.dumps(half).encode())]
+    return TransferParts(transfer, channel, identity_of(sched.runner, model_path), layout, slots, role, tp, halves)

@@ -92,7 +92,7 @@ def test_refusals_say_why() -> None:
 
 
 def test_notes_count_only_from_the_rooms_own_prefill() -> None:
-    peers = SimpleNamespace(peers={"10.0.0.5:8998": SimpleNamespace(agent="prefill-a")})
+    peers = SimpleNamespace(peers={"10.0.0.5:8998": SimpleNamespace(agents={"prefill-a"})})
     rooms = {7: SimpleNamespace(peer="10.0.0.5:8998"), 8: SimpleNamespace(peer="")}
     arrival = Arrival(peers)  # type: ignore[arg-type]
     assert arrival.note("prefill-a", pd.notify(7, 2, 2), rooms) == (rooms[7], 2)
