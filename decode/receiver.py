@@ -76,7 +76,8 @@ class DecodeReceiver:
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
                            pd.KVCancelled: self.on_cancelled}
-        peers.keep_connected()
+        # The configured peers' handshakes start at the first poll, not here: a peer's age
+        # must come from the tick's clock (sched.now), or the ranks would time it out apart.
 
     # ---- requests ---------------------------------------------------------------------------------
     def admit(self, req: Req, msg: GenerateReq) -> bool:
