@@ -2,14 +2,16 @@
 prefill rank writes its decode twin's heads) and a TP=1 decode (both prefill ranks write
 halves of its heads), and a TP=1 prefill feeding the TP=2 decode (its one rank writes both),
 token-identical to the offline TP=1 Engine, every rank's pool whole on both sides after
-each test."""
+each test. A cancel mid-transfer crosses both TP groups' ticks and frees every rank's pages."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import random
 
 import pytest
 from pd_client import pd_generate, pd_stats
+from waits import wait_until
 from worker_process import Worker
 
 from tandem import Engine
@@ -83,3 +85,22 @@ def test_tp1_prefill_to_tp2_decode_matches_one_rank(stack, want) -> None:
     _, dec2, _, pre1 = stack
     assert _generate(pre1, dec2) == want
     assert pd_stats(pre1)[0]["failed"] == 0
+
+
+def test_abort_while_transferring_frees_every_ranks_pages(stack) -> None:
+    pre, dec2, _, _ = stack
+    body = {"text": "cancel me mid transfer " * 10, "sampling_params": SP, "rid": "tp-xfer-abort",
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pre.bootstrap, "bootstrap_room": random.randrange(2**63)}
+
+    def rooms(w: Worker) -> tuple[int, int]:  # now, not once idle (as pd_stats waits to)
+        state = w.get("/debug/pool").json()["ranks"][0]["pd"]
+        return state["rooms"], state["queued"]
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(dec2.post, "/generate", body)  # decode reserves pages; prefill has no request yet
+        wait_until(lambda: rooms(dec2) == (1, 0), 15, "pages reserved", interval=0.05)
+        assert dec2.admin("POST", "/abort_request", {"rid": "tp-xfer-abort"}).json()["aborted"]
+        assert fut.result(10).json()["meta_info"]["finish_reason"]["type"] == "abort"
+    wait_until(lambda: rooms(dec2)[0] == 0, 15, "prefill confirmed the cancel", interval=0.05)
+    late = pre.post("/generate", body).json()  # the request reaches prefill after the cancel
+    assert "cancelled by decode" in late["meta_info"]["finish_reason"]["message"]
