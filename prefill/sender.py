@@ -297,4 +297,5 @@ class PrefillSender:
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
+        assert not self.sends.open and not len(self.sends.agree), "chunk sends unreported while idle"
         self.slots.check_integrity(in_use=0)
