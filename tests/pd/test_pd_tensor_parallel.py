@@ -2,12 +2,16 @@
 prefill rank writes its decode twin's heads) and a TP=1 decode (both prefill ranks write
 halves of its heads), and a TP=1 prefill feeding the TP=2 decode (its one rank writes both),
 token-identical to the offline TP=1 Engine, every rank's pool whole on both sides after
-each test. A cancel mid-transfer crosses both TP groups' ticks and frees every rank's pages."""
+each test. A cancel mid-transfer crosses both TP groups' ticks and frees every rank's pages;
+a TP decode killed mid-stream is found dead (through the TP prefill's tick). The TP workers run
+with the step digest on: a rank deciding apart from rank 0 would stop its worker."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
+import signal
 
 import pytest
 from pd_client import pd_generate, pd_stats
@@ -19,7 +23,9 @@ from tandem import Engine
 pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
 
 SP = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
-FLAGS = ("--page-size", "16", "--chunked-prefill-size", "64", "--max-total-tokens", "4096")
+FLAGS = ("--page-size", "16", "--chunked-prefill-size", "64", "--max-total-tokens", "4096",
+         "--pd-heartbeat-interval", "0.5", "--pd-heartbeat-timeout", "3")
+TP2 = ("--tp-size", "2", "--debug-tp-digest")  # a rank stepping apart from rank 0 stops the worker
 # A short one, one in 5 chunk sends (decode rooms complete on every rank only after the last),
 # and a page-aligned one; sent together, so rooms complete on the ranks in different orders.
 PROMPTS = ["hi", "the quick brown fox jumps " * 60, "sixteen tokens of text " * 4, "one two three " * 21]
@@ -28,9 +34,9 @@ PROMPTS = ["hi", "the quick brown fox jumps " * 60, "sixteen tokens of text " * 
 @pytest.fixture(scope="module")
 def stack(model_path):
     model = model_path("tiny")
-    pre = Worker.prefill(model, *FLAGS, "--tp-size", "2")
+    pre = Worker.prefill(model, *FLAGS, *TP2)
     pre1 = Worker.prefill(model, *FLAGS)
-    dec2 = Worker.decode(model, *FLAGS, "--tp-size", "2", "--pd-local-prefill-threshold", "0", peers=[pre, pre1])
+    dec2 = Worker.decode(model, *FLAGS, *TP2, "--pd-local-prefill-threshold", "0", peers=[pre, pre1])
     dec1 = Worker.decode(model, *FLAGS, "--pd-local-prefill-threshold", "0", peers=[pre])
     workers = (pre, dec2, dec1, pre1)
     try:
@@ -104,3 +110,22 @@ def test_abort_while_transferring_frees_every_ranks_pages(stack) -> None:
     wait_until(lambda: rooms(dec2)[0] == 0, 15, "prefill confirmed the cancel", interval=0.05)
     late = pre.post("/generate", body).json()  # the request reaches prefill after the cancel
     assert "cancelled by decode" in late["meta_info"]["finish_reason"]["message"]
+
+
+def test_a_dead_tp_decode_is_forgotten_by_the_tp_prefill(stack, model_path) -> None:
+    pre = stack[0]
+    dec = Worker.decode(model_path("tiny"), *FLAGS, *TP2, peers=[pre])
+    try:
+        dec.wait_ready()
+        peers = len(pd_stats(pre)[0]["decode_peers"])
+        body = {"text": "decode dies " * 20, "sampling_params": {**SP, "max_new_tokens": 3000}, "rid": "tp-dies",
+                "bootstrap_host": "127.0.0.1", "bootstrap_port": pre.bootstrap,
+                "bootstrap_room": random.randrange(2**63)}
+        with cf.ThreadPoolExecutor(2) as ex:
+            ex.submit(pre.post, "/generate", body)
+            ex.submit(dec.post, "/generate", body)
+            wait_until(lambda: dec.get("/debug/pool").json()["ranks"][0]["num_running"] == 1, 30, "decoding")
+            os.killpg(dec.proc.pid, signal.SIGKILL)
+        wait_until(lambda: len(pd_stats(pre)[0]["decode_peers"]) < peers, 15, "the dead decode forgotten")
+    finally:
+        dec.stop()
