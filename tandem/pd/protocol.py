@@ -208,7 +208,8 @@ def _check_half(msg: Hello | Welcome) -> None:
         raise BadMessage("a refusing Welcome carries only its error")
 
 
-_NOTIFY = re.compile(rb"(\d{1,19}):(\d{1,10}):(\d{1,10}|-)")
+# Canonical decimals only (no leading zeros): what notify() writes, so one value has one form.
+_NOTIFY = re.compile(rb"(0|[1-9]\d{0,18}):(0|[1-9]\d{0,9}):(0|[1-9]\d{0,9}|-)")
 
 
 def notify(room: int, chunk: int, total: int | None) -> bytes:

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pd_frames import KILLERS, fuzz_one, identities, messages
 
@@ -162,6 +162,7 @@ def test_decode_returns_a_checked_message_or_raises_bad_message(data: bytes) -> 
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=40) | st.from_regex(rb"\A[0-9:+_ -]{1,30}\Z"))
+@example(data=b"00:0:-")  # a leading zero once parsed, to a room notify() writes otherwise
 def test_parse_notify_raises_only_bad_message(data: bytes) -> None:
     try:
         room, chunk, total = pd.parse_notify(data)
