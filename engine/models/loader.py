@@ -54,29 +54,30 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, Any]]:
                 yield key, f.get_slice(key)
 
 
-# Row-parallel weights: this rank reads a range of their input columns (dim 1).
-_ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+# Checkpoint module -> (the dimension TP splits, which of the rank's ranges: TPShard.features).
+# Column-parallel layers split their output rows (dim 0, biases too); row-parallel ones
+# (o, down) their input columns (dim 1).
+_SPLIT = {
+    "self_attn.q_proj": (0, "q"), "self_attn.k_proj": (0, "kv"), "self_attn.v_proj": (0, "kv"),
+    "mlp.gate_proj": (0, "mlp"), "mlp.up_proj": (0, "mlp"),
+    "self_attn.o_proj": (1, "q"), "mlp.down_proj": (1, "mlp"),
+}
 
 
-def _read(cfg: ModelConfig, name: str, tensor: Any, fused: tuple[str, int] | None) -> torch.Tensor:
+def _read(cfg: ModelConfig, name: str, tensor: Any) -> torch.Tensor:
     """The part of checkpoint tensor `name` this rank holds (all of it without TP)."""
     s = cfg.shard
     if s is None:
         return tensor[:]
-    d = cfg.head_dim
-    prefix = name.rpartition(".")[0]
-    if fused is not None:  # column-parallel: q, k, v, gate, up (weights and biases) by rows
-        lo, hi = {0: s.q_heads, 1: s.kv_heads, 2: s.kv_heads}[fused[1]] if "qkv" in fused[0] else s.intermediate
-        scale = d if "qkv" in fused[0] else 1
-        return tensor[lo * scale: hi * scale]
-    if prefix.endswith(_ROW_PARALLEL):
-        lo, hi = s.q_heads if prefix.endswith("o_proj") else s.intermediate
-        scale = d if prefix.endswith("o_proj") else 1
-        return tensor[:, lo * scale: hi * scale]
     if name in ("embed_tokens.weight", "lm_head.weight"):  # vocabulary rows; past the end: zeros
         lo, hi = s.vocab
         part = tensor[lo: min(hi, s.vocab_size)]
         return torch.nn.functional.pad(part, (0, 0, 0, hi - lo - part.shape[0]))
+    prefix = name.rpartition(".")[0]
+    for module, (dim, part) in _SPLIT.items():
+        if prefix.endswith(module):
+            lo, hi = s.features(part, cfg.head_dim)
+            return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
     return tensor[:]  # norms: every rank holds them whole
 
 
@@ -107,13 +108,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
             if layer_prefix.endswith(src):
                 target = f"{layer_prefix[: -len(src)]}{dst}.{suffix}"
                 lo, hi = _shard_rows(cfg, dst, shard)
-                params[target].data[lo:hi].copy_(_read(cfg, name, tensor, (dst, shard)))
+                params[target].data[lo:hi].copy_(_read(cfg, name, tensor))
                 loaded.add(f"{target}#{shard}")
                 break
         else:
             if name not in params:
                 raise KeyError(f"checkpoint tensor {key!r} has no place in {cls.__name__}")
-            params[name].data.copy_(_read(cfg, name, tensor, None))
+            params[name].data.copy_(_read(cfg, name, tensor))
             loaded.add(name)
     _check_complete(params, loaded)
     # to_empty() wiped the RoPE tables along with the parameters; rebuild them.

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.protocol.kv_layout import shard_heads
+from tandem.worker_contract import tp_head_problem
+
 
 @dataclass(frozen=True)
 class TPShard:
@@ -43,19 +46,25 @@ class TPShard:
     def vocab_rows(self) -> int:
         return self.vocab[1] - self.vocab[0]
 
+    def features(self, part: str, head_dim: int) -> tuple[int, int]:
+        """[start, stop) of this rank's features of a split weight: "q" or "kv" heads (times
+        head_dim), or the "mlp" intermediate features."""
+        if part == "mlp":
+            return self.intermediate
+        lo, hi = self.q_heads if part == "q" else self.kv_heads
+        return lo * head_dim, hi * head_dim
+
 
 def tp_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[str]:
-    """Why `size` ranks cannot split this model ([] when they can), each a full sentence."""
-    if size < 1:
-        return [f"tp_size must be >= 1, got {size}"]
-    out = []
-    if num_heads % size:
-        out.append(f"tp_size {size} does not divide the model's {num_heads} attention heads")
-    if num_kv_heads % size and size % num_kv_heads:
-        out.append(f"tp_size {size} neither divides nor is a multiple of the model's {num_kv_heads} KV heads")
+    """Why `size` ranks cannot split this model ([] when they can), each a full sentence: the
+    heads by the worker contract's rule (the operator checks spec.model.heads by it too), and
+    the MLP width, which only the engine sees."""
+    heads = tp_head_problem(size, num_heads, num_kv_heads)
+    if heads is not None:
+        return [heads]
     if intermediate_size % size:
-        out.append(f"tp_size {size} does not divide the model's MLP size {intermediate_size}")
-    return out
+        return [f"tp_size {size} does not divide the model's MLP size {intermediate_size}"]
+    return []
 
 
 def plan_shard(rank: int, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
@@ -66,11 +75,5 @@ def plan_shard(rank: int, size: int, num_heads: int, num_kv_heads: int, intermed
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} outside tp_size {size}")
     hq, inter, rows = num_heads // size, intermediate_size // size, -(-vocab_size // size)
-    if num_kv_heads % size == 0:
-        hk = num_kv_heads // size
-        kv = (rank * hk, (rank + 1) * hk)
-    else:  # more ranks than KV heads: each rank keeps the head its q heads attend to
-        head = rank // (size // num_kv_heads)
-        kv = (head, head + 1)
-    return TPShard(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * inter, (rank + 1) * inter),
-                   (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads)
+    return TPShard(rank, size, (rank * hq, (rank + 1) * hq), shard_heads(num_kv_heads, size, rank),
+                   (rank * inter, (rank + 1) * inter), (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads)

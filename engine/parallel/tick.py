@@ -74,8 +74,6 @@ def exchange(tp: TPGroup, msgs: list[Any] | None, grammar: list[GrammarVerdict] 
     """Rank 0 passes what it received and decided; every rank gets the same Tick back."""
     if tp.leader:
         tick = Tick(time.monotonic(), list(msgs or []), list(grammar or []))
-        if tp.size == 1:
-            return tick
         tp.broadcast_bytes(tick.encode(codec))
         return tick
     return Tick.decode(tp.broadcast_bytes(None), codec)

@@ -62,24 +62,15 @@ def boolean(v: Any, path: str) -> bool:
 
 def int_list(max_len: int, hi: int) -> Spec:
     """A list of at most max_len ints in [0, hi)."""
-    item = uint(hi)
-
-    def check(v: Any, path: str) -> list[int]:
-        if type(v) is not list or len(v) > max_len:
-            raise BadMessage(f"{path}: a list of at most {max_len} integers expected, got {type(v).__name__}")
-        for i, x in enumerate(v):
-            item(x, f"{path}[{i}]")
-        return v
-
-    return check
+    return list_of(uint(hi), max_len, "integers")
 
 
-def list_of(item: Spec, max_len: int) -> Spec:
+def list_of(item: Spec, max_len: int, what: str = "items") -> Spec:
     """A list of at most max_len values, each passing `item`."""
 
     def check(v: Any, path: str) -> list[Any]:
         if type(v) is not list or len(v) > max_len:
-            raise BadMessage(f"{path}: a list of at most {max_len} items expected, got {type(v).__name__}")
+            raise BadMessage(f"{path}: a list of at most {max_len} {what} expected, got {type(v).__name__}")
         for i, x in enumerate(v):
             item(x, f"{path}[{i}]")
         return v

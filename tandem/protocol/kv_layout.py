@@ -30,6 +30,21 @@ from typing import Any
 HeadRange = tuple[int, int]  # [first, end) of the model's KV heads
 
 
+def shard_heads(total: int, tp_size: int, rank: int) -> HeadRange:
+    """The KV heads TP rank `rank` of `tp_size` holds: a block when tp_size divides them, else
+    (tp_size a multiple of them) the one head its query heads read, replicated. The engine
+    sizes its pools by this (engine/parallel/shard.py) and PD plans its writes by it."""
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside TP size {tp_size}")
+    if total % tp_size == 0:
+        per = total // tp_size
+        return rank * per, (rank + 1) * per
+    if tp_size % total == 0:
+        head = rank // (tp_size // total)
+        return head, head + 1
+    raise ValueError(f"{total} KV heads cannot be split over TP size {tp_size}")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     num_layers: int

@@ -24,6 +24,7 @@ from tandem.engine.parallel.shard import plan_shard, tp_problems
 from tandem.engine.parallel.tick import Tick
 from tandem.local.plan import free_port
 from tandem.protocol.messages import AbortReq, GenerateReq, ShutdownReq
+from tandem.worker_contract import tp_head_problem
 
 PROMPTS = [[1, 5, 9, 13, 22, 40], [3, 4, 5] * 7, [7] * 20, [1, 5, 9, 13, 22, 41, 2, 2]]
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
@@ -52,7 +53,9 @@ def test_every_q_head_lands_with_its_kv_head(tp: int, kv: int, group: int, inter
 
 
 def test_sizes_the_heads_refuse() -> None:
-    assert tp_problems(3, 12, 4, 96) == ["tp_size 3 neither divides nor is a multiple of the model's 4 KV heads"]
+    assert tp_problems(3, 12, 4, 96) == [tp_head_problem(3, 12, 4)]
+    assert "KV heads can be neither split across the ranks nor replicated" in tp_problems(3, 12, 4, 96)[0]
+    assert tp_problems(2, 12, 4, 97) == ["tp_size 2 does not divide the model's MLP size 97"]
     assert "attention heads" in tp_problems(8, 12, 4, 96)[0]
     with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
         ModelConfig.from_pretrained(_tiny()).for_rank(0, 8)

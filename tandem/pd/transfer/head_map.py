@@ -24,20 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.protocol.kv_layout import HeadRange, KVLayout
+from tandem.protocol.kv_layout import HeadRange, KVLayout, shard_heads
 
-
-def shard_heads(total: int, tp_size: int, rank: int) -> HeadRange:
-    """The KV heads TP rank `rank` of `tp_size` holds (a block, or one replicated head)."""
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"rank {rank} outside TP size {tp_size}")
-    if total % tp_size == 0:
-        per = total // tp_size
-        return rank * per, (rank + 1) * per
-    if tp_size % total == 0:
-        head = rank // (tp_size // total)
-        return head, head + 1
-    raise ValueError(f"{total} KV heads cannot be split over TP size {tp_size}")
+__all__ = ["Write", "plan_writes", "shard_heads"]
 
 
 @dataclass(frozen=True)
