@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from json_schemas import TOP, assert_valid
 from pd_client import pd_generate, pd_post, pd_stats
-from worker_process import Worker
+from worker_process import Worker, running
 
 from tandem import Engine
 
@@ -33,13 +33,8 @@ def stack(request, model_path):
     pre = Worker.prefill(model, *flags)
     dec = Worker.decode(model, *flags, "--pd-local-prefill-threshold", "0", peers=[pre])
     col = Worker.colocated(model, *flags)
-    try:
-        for w in (pre, dec, col):
-            w.wait_ready()
+    with running(pre, dec, col):
         yield pre, dec, col, request.param
-    finally:
-        for w in (pre, dec, col):
-            w.stop()
 
 
 @pytest.fixture(autouse=True)

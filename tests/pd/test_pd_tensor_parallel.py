@@ -16,7 +16,7 @@ import signal
 import pytest
 from pd_client import pd_generate, pd_stats
 from waits import wait_until
-from worker_process import Worker
+from worker_process import Worker, running
 
 from tandem import Engine
 
@@ -38,14 +38,8 @@ def stack(model_path):
     pre1 = Worker.prefill(model, *FLAGS)
     dec2 = Worker.decode(model, *FLAGS, *TP2, "--pd-local-prefill-threshold", "0", peers=[pre, pre1])
     dec1 = Worker.decode(model, *FLAGS, "--pd-local-prefill-threshold", "0", peers=[pre])
-    workers = (pre, dec2, dec1, pre1)
-    try:
-        for w in workers:
-            w.wait_ready()
+    with running(pre, dec2, dec1, pre1) as workers:
         yield workers
-    finally:
-        for w in workers:
-            w.stop()
 
 
 @pytest.fixture(scope="module")

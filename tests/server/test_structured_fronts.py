@@ -14,7 +14,7 @@ from structured_checks import (
     check_required_tools,
     check_streamed_calls_equal_whole,
 )
-from worker_process import Worker, sglang_router
+from worker_process import Worker, running, sglang_router
 
 openai = pytest.importorskip("openai")
 FLAGS = ("--tool-call-parser", "hermes", "--max-total-tokens", "16384")
@@ -22,14 +22,8 @@ FLAGS = ("--tool-call-parser", "hermes", "--max-total-tokens", "16384")
 
 @pytest.fixture(scope="module")
 def colocated(model_path):
-    workers = [Worker.colocated(model_path("tiny"), *FLAGS) for _ in range(2)]
-    try:
-        for w in workers:
-            w.wait_ready()
-        yield workers
-    finally:
-        for w in workers:
-            w.stop()
+    with running(*(Worker.colocated(model_path("tiny"), *FLAGS) for _ in range(2))) as workers:
+        yield list(workers)
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +31,8 @@ def pd(model_path):
     """Every prompt is disaggregated: decode never prefills locally."""
     pre = Worker.prefill(model_path("tiny"), *FLAGS)
     dec = Worker.decode(model_path("tiny"), *FLAGS, "--pd-local-prefill-threshold", "0", peers=[pre])
-    try:
-        for w in (pre, dec):
-            w.wait_ready()
+    with running(pre, dec):
         yield pre, dec
-    finally:
-        for w in (pre, dec):
-            w.stop()
 
 
 def _tandem_router(request, model_path) -> tuple[str, object]:

@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -172,3 +173,16 @@ class Worker:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
+    """Each worker ready (in order: a decode is ready once its prefill peers answer), then
+    yielded; every one stopped after, also when one never became ready."""
+    try:
+        for w in workers:
+            w.wait_ready()
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
