@@ -35,6 +35,7 @@ from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.models.layer_ops import TORCH, CpuKernelOps
 from tandem.engine.models.layers import RMSNorm
 from tandem.engine.runner.sampler import SamplingBatch, sample
 from tandem.engine.sampling_params import SamplingParams
@@ -82,7 +83,7 @@ def _layer_ops_case(rows: int, dtype: torch.dtype) -> Callable[[bool], Callable[
 
     def make(kernel: bool) -> Callable[[], object]:
         def run() -> object:  # a layer's elementwise work: two norms (one fused with the add), SiLU*mul
-            norm.use_kernel = kernel
+            norm.ops = CpuKernelOps() if kernel else TORCH
             norm(x)
             norm.add_forward(x.clone(), res.clone())
             if kernel:

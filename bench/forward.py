@@ -40,8 +40,7 @@ def _ours(path: str, dtype: str, batch: int, ctx: int, fused: bool = True):
     from tandem.engine.runner.static_generate import StaticBatch
 
     runner = ModelRunner.load(path, RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
-                                            max_running_requests=batch))
-    runner.model.enable_cpu_kernels(fused)
+                                            max_running_requests=batch, layer_ops="auto" if fused else "torch"))
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, runner.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)]

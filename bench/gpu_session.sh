@@ -17,6 +17,11 @@ if [ -d .whl ]; then
         >> "$OUT/setup.log" 2>&1 || echo "WHEELS FAILED" >> "$OUT/setup.log"
 fi
 export PYTHONPATH=/tmp/fi:/tmp/site:/tmp/nx
+# FlashInfer's norm from its CUDA sources (not the CuTe DSL, which the kit lacks): one module to cache.
+export FLASHINFER_USE_CUDA_NORM=1
+# Modules compiled in an earlier session (the jit-warm step below sends them back as $OUT/jit/; kept
+# here in the ignored .gpu-jit/ and carried) load as AOT ones, skipping their 20-80 s compile each.
+[ -d .gpu-jit ] && mkdir -p /tmp/fi/flashinfer/data/aot && cp -r .gpu-jit/. /tmp/fi/flashinfer/data/aot/
 nvidia-smi -L >> "$OUT/setup.log" 2>&1
 tail -3 "$OUT/setup.log"
 
@@ -33,6 +38,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, record exit status a
     > "$OUT/model-build.log" 2>&1 &
 BUILD=$!
 PYTEST=(python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors)
+# The layer ops' kernels (engine/models/flashinfer_ops.py) before any timed step; what compiled here
+# goes back in $OUT/jit/<module>/<module>.so for the next session's .gpu-jit/.
+step jit-warm "${JIT_LIMIT:-300}" python3 -c "
+import flashinfer.activation as a, flashinfer.norm as n, flashinfer.rope as r
+n.get_norm_module(); r.get_rope_module(); a.get_act_and_mul_module('silu'); print('layer-op kernels ready')"
+find /tmp/fiws -path '*cached_ops*' -name '*.so' 2>/dev/null | while read -r so; do
+    d="$OUT/jit/$(basename "$(dirname "$so")")"; mkdir -p "$d" && cp "$so" "$d/"
+done
 if [ -z "${SKIP_KV:-}" ]; then
     step kv-transfer-tests "${KV_LIMIT:-60}" "${PYTEST[@]}" tests/pd/test_kv_transfer.py
     step kv-transfer-bench "${KVB_LIMIT:-60}" python3 bench/kv_transfer.py --device cuda --rounds 5
@@ -50,4 +63,11 @@ step decode-bench "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py --model llam
 # Where a step's time goes (bench/step_profile.py): host functions per thread, the graph's kernels.
 (cd /tmp && step step-profile "${PROFILE_LIMIT:-90}" python3 "$OLDPWD/bench/step_profile.py" --model llama-1b-shape \
     --batches "${BATCHES:-1,64}" --loops overlap --kernels --out "$OUT/step_profile.json")
+# Where the prefill's time goes, ours beside HF's (bench/prefill_profile.py).
+(cd /tmp && step prefill-profile "${PREFILL_LIMIT:-120}" python3 "$OLDPWD/bench/prefill_profile.py" \
+    --model llama-1b-shape --prefill 8x2048 --out "$OUT/prefill_profile.json")
+# The CUDA-core decode kernel against the tensor-core one (decode_tensor_cores), same shapes.
+[ -n "${DECODE_AB:-}" ] && step decode-bench-cuda-cores "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py \
+    --model llama-1b-shape --batches "${BATCHES:-1,64}" --steps "${STEPS:-64}" --repeats 2 --prefill none \
+    --engine-arg decode_tensor_cores=false --out "$OUT/gpu_decode_cuda_cores.json"
 echo "done ${SECONDS}s" | tee -a "$OUT/summary"

@@ -48,6 +48,8 @@ class EngineConfig:
     base_gpu_id: int = 0  # CUDA: DP rank r, TP rank t runs on GPU base_gpu_id + r * tp_size + t (device_map.py)
     load_balance_method: str = "round_robin"
     attention_backend: str = "auto"
+    layer_ops: str = "auto"  # norms, RoPE, SiLU*mul: auto | torch | cpu-kernels | flashinfer (models/layer_ops.py)
+    decode_tensor_cores: bool | None = None  # FlashInfer decode kernel; None: by heads per KV head
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     max_context_len: int | None = None
@@ -128,8 +130,9 @@ class EngineConfig:
             dtype=self.dtype, device=self.device, page_size=self.page_size,
             max_total_tokens=self.max_total_tokens, mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
-            attention_backend=self.attention_backend, disable_cuda_graph=self.disable_cuda_graph,
-            cuda_graph_max_bs=self.cuda_graph_max_bs,
+            attention_backend=self.attention_backend, layer_ops=self.layer_ops,
+            decode_tensor_cores=self.decode_tensor_cores,
+            disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
         )
 

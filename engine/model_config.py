@@ -143,6 +143,10 @@ class RunnerConfig:
     max_running_requests: int = 256
     max_context_len: int | None = None  # None = model's max_position_embeddings
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    layer_ops: str = "auto"  # auto | torch | cpu-kernels | flashinfer (models/layer_ops.py)
+    # FlashInfer decode: the tensor-core kernel (its prefill kernel) or the CUDA-core one.
+    # None: tensor cores once 4 or more query heads share a KV head, as SGLang decides.
+    decode_tensor_cores: bool | None = None
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests

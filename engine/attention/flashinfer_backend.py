@@ -65,6 +65,17 @@ def graph_index_buffers(max_bs: int, max_pages: int, device: torch.device | str)
             torch.zeros(max_bs, dtype=torch.int32, device=device)]
 
 
+def decode_tensor_cores(ctx: object) -> bool:
+    """Whether decode runs FlashInfer's tensor-core kernel (its prefill kernel, one query row
+    per request) or the CUDA-core decode kernel. The tensor-core one wins once several query
+    heads share a KV head (SGLang's rule: 4 or more); `decode_tensor_cores` in the runner's
+    config overrides it, to measure both (bench/gpu_decode.py --engine-arg)."""
+    forced = getattr(getattr(ctx, "config", None), "decode_tensor_cores", None)
+    if forced is not None:
+        return bool(forced)
+    return ctx.num_heads // ctx.num_kv_heads >= 4  # type: ignore[attr-defined]
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
@@ -78,8 +89,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # workspace that must start at zero, and a reused allocator block holds stale bytes.
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        # Tensor-core decode kernels win once several query heads share a KV head.
-        self._tensor_cores = ctx.num_heads // ctx.num_kv_heads >= 4
+        self._tensor_cores = decode_tensor_cores(ctx)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
         )

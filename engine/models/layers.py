@@ -7,24 +7,21 @@ activation dtype) so that fp32 logits match it to ~1e-5.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.kernels import cpu_kernels, cpu_plan
+from tandem.engine.kernels import cpu_plan
+from tandem.engine.models.layer_ops import TORCH, LayerOps
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm, optionally fused with the residual add that precedes it.
+    """RMSNorm, optionally fused with the residual add that precedes it, through the model's
+    layer ops (layer_ops.py; the torch chain unless fused ones are chosen)."""
 
-    `use_kernel` (set by enable_cpu_kernels) routes 2-D inputs through the fused CPU
-    op, which rounds exactly where this torch chain does."""
-
-    use_kernel = False
+    ops: LayerOps = TORCH
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -32,21 +29,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and x.dim() == 2:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x). The kernel path updates both in place,
-        so x and residual must be tensors this forward owns."""
-        if self.use_kernel:
-            cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = residual + x
-        return self.forward(residual), residual
+        """(norm(residual + x), residual + x). Fused ops update both in place, so x and
+        residual must be tensors this forward owns."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -66,15 +54,6 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(factor)
 
 
-@dataclass
-class RopeBatch:
-    """One forward's RoPE inputs, shared by all layers."""
-
-    positions: torch.Tensor  # (tokens,) int64
-    cos: torch.Tensor  # torch path: (tokens, 1, dim) in the activation dtype; kernel path: the fp32 table
-    sin: torch.Tensor
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE with a precomputed cos/sin table."""
 
@@ -86,32 +65,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
-    def for_batch(self, positions: torch.Tensor, dtype: torch.dtype, use_kernel: bool) -> RopeBatch:
-        """Once per forward. The torch path looks cos/sin up per token here; the fused
-        kernel reads the tables itself."""
-        if use_kernel:
-            return RopeBatch(positions, self.cos, self.sin)
-        cos, sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-        return RopeBatch(positions, cos[:, None, :], sin[:, None, :])
-
-    @staticmethod
-    def apply(rb: RopeBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (tokens, heads, dim), k: (tokens, kv_heads, dim)
-        cos, sin = rb.cos, rb.sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up fused into one matmul. Under tensor parallelism
     `intermediate` is this rank's share (gate/up column-parallel, down row-parallel) and
     `tp` sums the ranks' partial outputs."""
 
-    use_kernel = False
+    ops: LayerOps = TORCH
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -121,11 +81,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.use_kernel:
-            return self.tp.all_reduce(self.down_proj(cpu_kernels.silu_and_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 def row_bucket(n: int) -> int:

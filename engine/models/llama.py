@@ -8,8 +8,11 @@ module runs prefill, decode and mixed batches.
     hidden (T, H) --qkv_proj--> q (T, Hq, D) | k (T, Hkv, D) | v (T, Hkv, D)
                   [qk-norm] -> RoPE -> backend.forward -> o_proj
 
+The norms, SiLU*mul and qk-norm + RoPE go through the model's layer ops (layer_ops.py):
+HF's torch chain, or the fused kernels of the device.
+
 Layers pass a residual stream (SGLang's style): each norm after the first adds
-the residual in the same pass, which the fused CPU op does in place.
+the residual in the same pass, which the fused ops do in place.
 
     x, r = input_layernorm(x, r)   # r += x; x = norm(r)
     x = self_attn(x)
@@ -25,28 +28,21 @@ from torch import nn
 
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.kernels import cpu_kernels
 from tandem.engine.model_config import ModelConfig
-from tandem.engine.models.layers import (
-    GatedMLP,
-    PackedLinear,
-    RMSNorm,
-    RopeBatch,
-    RotaryEmbedding,
-    bucketed,
-    row_bucket,
-)
+from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
+from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, bucketed, row_bucket
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 
 class Attention(nn.Module):
-    use_kernel = False  # fused qk-norm + RoPE, in place on the qkv rows
+    ops: LayerOps = TORCH  # qk-norm + RoPE on the qkv rows
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.cfg = cfg
         self.tp = tp  # cfg's heads are this rank's: qkv is column-parallel, o row-parallel
+        self.heads = Heads(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -65,20 +61,8 @@ class Attention(nn.Module):
         # Rows past the batch's tokens are CPU row-bucket padding (see LlamaForCausalLM.forward):
         # they go through the matmuls but never reach RoPE, attention or the KV pool.
         n = batch.num_tokens
-        if self.use_kernel:
-            qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
-            cpu_kernels.rope_qk(
-                qkv[:n], rope.positions, rope.cos, rope.sin, qn, kn,
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            )
-        q, k, v = qkv[:n].split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if not self.use_kernel:
-            if cfg.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = RotaryEmbedding.apply(rope, q, k)
+        qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
+        q, k, v = self.ops.qk_rope(qkv[:n], rope, self.heads, qn, kn, cfg.rms_norm_eps)
         o = backend.forward(q, k, v, self.layer_id, batch)
         if qkv.shape[0] != n:
             o = F.pad(o, (0, 0, 0, qkv.shape[0] - n))
@@ -111,7 +95,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    use_kernels = False
+    ops: LayerOps = TORCH
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -138,21 +122,12 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not self.embed_tokens:
             self.lm_head = self.packed_head
 
-    def enable_cpu_kernels(self, enable: bool = True) -> bool:
-        """Route norms, SiLU*mul and qk-norm+RoPE through the fused CPU ops when they
-        are built and handle this model; returns whether they are on."""
-        cfg, dtype = self.cfg, self.embed_tokens.weight.dtype
-        on = (
-            enable
-            and self.embed_tokens.weight.device.type == "cpu"
-            and cpu_kernels.enabled("layer_ops")
-            and cpu_kernels.supports_layer_ops(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, dtype)
-        )
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Route norms, SiLU*mul and qk-norm + RoPE through `ops` (layer_ops_choice.build)."""
         for mod in self.modules():
             if isinstance(mod, (RMSNorm, GatedMLP, Attention)):
-                mod.use_kernel = on
-        self.use_kernels = on
-        return on
+                mod.ops = ops
+        self.ops = ops
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
@@ -166,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         if bucket:
             ids = F.pad(ids, (0, row_bucket(ids.shape[0]) - ids.shape[0]))
         x = self.embed(ids)
-        rope = self.rope.for_batch(batch.positions, x.dtype, self.use_kernels)
+        rope = self.ops.rope_batch(self.rope, batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, backend, batch)

@@ -18,9 +18,10 @@ import torch
 
 from tandem.engine.attention import choose_backend, create_backend, flashinfer_installed
 from tandem.engine.forward_batch import ForwardBatch
-from tandem.engine.kernels import cpu_plan
+from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.model_config import ModelConfig, RunnerConfig
+from tandem.engine.models import layer_ops_choice
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.parallel.group import SINGLE, TPGroup
@@ -70,8 +71,15 @@ class ModelRunner:
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
             pack_linears(self.model)
-        if self.device.type == "cpu":
-            self.model.enable_cpu_kernels()
+        self.layer_ops_name = self._choose_layer_ops()
+        self.model.use_layer_ops(layer_ops_choice.build(self.layer_ops_name, self.model.rope))
+
+    def _choose_layer_ops(self) -> str:
+        mc = self.model_config
+        cpu_ok = (self.device.type == "cpu" and cpu_kernels.enabled("layer_ops")
+                  and cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype))
+        return layer_ops_choice.choose(self.config.layer_ops, self.device.type, self.dtype, mc.head_dim,
+                                flashinfer_installed(), cpu_ok)
 
     @classmethod
     def load(cls, model_path: str | Path, config: RunnerConfig = RunnerConfig()) -> ModelRunner:
@@ -116,9 +124,9 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner(self, config.graph_max_bs)
         log.info(
-            "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s",
+            "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s, layer ops %s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
-            self.page_size, type(self.attn_backend).__name__,
+            self.page_size, type(self.attn_backend).__name__, self.layer_ops_name,
         )
 
     @torch.inference_mode()

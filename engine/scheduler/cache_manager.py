@@ -86,10 +86,12 @@ class CacheManager:
             rows = self.req_to_token_pool.alloc(len(rows_needed))
             if rows is None:
                 raise OutOfKV("out of request slots")
+            # Every row is owned before any is written: if a write fails, the batch's failure
+            # path (batch_faults) frees the rows its requests hold, and no row is orphaned.
             for r, row in zip(rows_needed, rows):
                 r.req_pool_idx = row
-                # A fresh row starts with the cached prefix the tree lent us.
-                self.req_to_token_pool.write(row, 0, r.prefix_indices)
+            for r in rows_needed:  # a fresh row starts with the cached prefix the tree lent us
+                self.req_to_token_pool.write(r.req_pool_idx, 0, r.prefix_indices)
         extend = [r.extend_input_len for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         cols = torch.tensor([max(p - 1, 0) for p in prefix], dtype=torch.int64)
@@ -98,10 +100,16 @@ class CacheManager:
         slots = self.allocator.alloc_extend(prefix, extend, last)
         assert slots is not None
         start = 0
-        for r, p, e in zip(reqs, prefix, extend):
-            self.req_to_token_pool.write(r.req_pool_idx, p, slots[start : start + e])
-            r.kv_committed_len = p + e
-            start += e
+        try:
+            for r, p, e in zip(reqs, prefix, extend):
+                self.req_to_token_pool.write(r.req_pool_idx, p, slots[start : start + e])
+                r.kv_committed_len = p + e
+                start += e
+        except Exception:
+            # Slots no row records yet would be lost to the failure path, which frees what
+            # each request's row holds up to its committed length: free them here.
+            self.allocator.free(slots[start:])
+            raise
         return slots
 
     def decode_pages_needed(self, reqs: list[Req]) -> int:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.kvcache.kv_memory import KVMemory
@@ -284,11 +286,16 @@ class Scheduler:
             self.prefill.runnable() or self.decode.runnable())
 
     def run(self) -> None:
+        # Under inference mode: the loop writes in place into tensors that may have been made
+        # under it (an Engine built inside a caller's `torch.inference_mode()` makes its pools
+        # inference tensors, which an update outside inference mode refuses), and no step
+        # needs autograd's version counters.
         try:
-            if self.overlap is not None:
-                event_loop_overlap(self)
-            else:
-                event_loop_normal(self)
+            with torch.inference_mode():
+                if self.overlap is not None:
+                    event_loop_overlap(self)
+                else:
+                    event_loop_normal(self)
         finally:
             self.grammar.shutdown()
             if self.overlap is not None:

@@ -45,3 +45,19 @@ def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
     assert res["prefill"]["prefill"] == "2x32"
     for key in PREFILL_NUMBERS:
         assert res["prefill"][key] > 0, key
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prefill_profile_smoke(device: str, tmp_path: Path, model_path) -> None:
+    """bench/prefill_profile.py: both sides profiled, their kernels grouped by kind."""
+    model_path("tiny")
+    out = tmp_path / "prefill_profile.json"
+    argv = [sys.executable, str(SCRIPT.with_name("prefill_profile.py")), "--model", "tiny", "--device", device,
+            "--prefill", "2x32", "--top", "5", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for side in ("engine", "hf"):
+        assert res[side]["wall_ms"] > 0 and res[side]["kernel_ms"] > 0, res[side]
+        assert res[side]["kinds"]["matmul"] > 0 and 0 < len(res[side]["top"]) <= 5
+    assert res["hf_over_engine_wall"] > 0

@@ -132,16 +132,19 @@ def test_graph_replay_matches_eager_across_buckets_and_padding(model_path) -> No
 
 def test_flashinfer_backend_under_graphs_matches_its_eager_self(model_path, monkeypatch) -> None:
     """The FlashInfer backend's graph hooks (one wrapper per bucket over shared fixed buffers,
-    re-planned before each replay) on CPU, over the stand-in for FlashInfer's kernels."""
+    re-planned before each replay) on CPU, over the stand-in for FlashInfer's kernels; the
+    layers run FlashInfer's norm, RoPE and SiLU*mul (their stand-ins), as they do on CUDA."""
     import fake_flashinfer
 
     from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tandem.engine.models import layer_ops_choice
 
     fake_flashinfer.install(monkeypatch)
     cfg = RunnerConfig(dtype="bfloat16", device="cpu", page_size=16, max_total_tokens=4096,
                        max_running_requests=8, max_context_len=256)
     runner = ModelRunner.load(model_path("tiny"), cfg)
     runner.attn_backend = FlashInferAttentionBackend(runner)
+    runner.model.use_layer_ops(layer_ops_choice.build("flashinfer", runner.model.rope))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, runner.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 25)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 12, 7, 20, 9)]
@@ -175,6 +178,16 @@ def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
               *(s.workspace for s in states.values())]
     assert all(w is backend.workspace for w in handed)
     assert backend.workspace.numel() > 0 and not backend.workspace.any()
+
+
+def test_decode_kernel_choice_follows_heads_per_kv_head_unless_configured() -> None:
+    from tandem.engine.attention.flashinfer_backend import decode_tensor_cores
+
+    def ctx(heads: int, kv: int, forced: bool | None = None) -> SimpleNamespace:
+        return SimpleNamespace(num_heads=heads, num_kv_heads=kv, config=RunnerConfig(decode_tensor_cores=forced))
+
+    assert decode_tensor_cores(ctx(32, 8)) and not decode_tensor_cores(ctx(16, 8))
+    assert not decode_tensor_cores(ctx(32, 8, False)) and decode_tensor_cores(ctx(16, 16, True))
 
 
 def test_graph_memory_counts_what_the_graph_runner_allocates(model_path, monkeypatch) -> None:

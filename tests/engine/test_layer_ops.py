@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.models.layer_ops import TORCH, Heads
 from tandem.engine.models.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every kernel level this CPU executes
@@ -74,12 +75,10 @@ def test_rope_qk_matches_torch_path(dtype, qk_norm, heads):
     rope = RotaryEmbedding(cfg, dim, 4096)
     positions = torch.randint(0, 4096, (37,))
     qkv = torch.randn(37, (hq + 2 * hkv) * dim).to(dtype)
-    q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
-    q, k = q.reshape(-1, hq, dim), k.reshape(-1, hkv, dim)
+    v = qkv[:, (hq + hkv) * dim :]
     qn, kn = (_norm(dim, dtype), _norm(dim, dtype)) if qk_norm else (None, None)
-    if qk_norm:
-        q, k = qn(q), kn(k)
-    want_q, want_k = RotaryEmbedding.apply(rope.for_batch(positions, dtype, use_kernel=False), q, k)
+    want_q, want_k, _ = TORCH.qk_rope(qkv, TORCH.rope_batch(rope, positions, dtype), Heads(hq, hkv, dim),
+                                      qn and qn.weight, kn and kn.weight, 1e-6)
     # the table as the model holds it: cast with the model (bf16) or fp32
     table = rope.to(dtype)
     got = qkv.clone()

@@ -104,9 +104,8 @@ def test_prefix_shared_between_requests(model_path, arch: str) -> None:
 @pytest.mark.parametrize("layer_kernels", [True, False], ids=["fused-ops", "torch-ops"])
 def test_decode_logits_match_hf_for_64_steps(model_path, arch: str, layer_kernels: bool) -> None:
     path = model_path(arch)
-    runner = _runner(path)
     # Both layer paths; 3 requests also exercise the CPU row padding (3 rows -> 8).
-    runner.model.enable_cpu_kernels(layer_kernels)
+    runner = _runner(path, layer_ops="auto" if layer_kernels else "torch")
     sb = StaticBatch(runner)
     prompts = _prompts(runner.vocab_size, [9, 31, 16], seed=1)
     seqs = sb.new(len(prompts))
@@ -196,9 +195,11 @@ def _check_bf16(path, device: str = "cpu", **kw) -> ModelRunner:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_flashinfer_runner_close_to_hf_bf16(model_path, arch: str, cuda_graph: bool) -> None:
-    """CUDA: FlashInfer prefill + decode (optionally under CUDA graphs) against HF bf16 on the GPU."""
+    """CUDA: FlashInfer prefill + decode (optionally under CUDA graphs) against HF bf16 on the GPU,
+    the layers through FlashInfer's fused norm, RoPE and SiLU*mul."""
     runner = _check_bf16(model_path(arch), "cuda", attention_backend="flashinfer", disable_cuda_graph=not cuda_graph)
     assert (runner.graph_runner is not None) == cuda_graph
+    assert runner.layer_ops_name == "flashinfer"
 
 
 @pytest.mark.gpu

@@ -49,6 +49,18 @@ def _inject(sched: Any, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
             return forward(mwb, *args, **kw)
 
         monkeypatch.setattr(sched.worker, "forward_batch_generation", failing_forward)
+    elif stage in ("rows", "slots"):  # writing a new request's row: its cached prefix, then its new slots
+        pool = sched.cache.req_to_token_pool
+        write = pool.write
+
+        def failing_write(row, col, values):
+            holder = [r for r in sched.reqs.values() if r.req_pool_idx == row]
+            prefix_write = bool(holder) and values is holder[0].prefix_indices
+            if holder and holder[0].sampling_params.seed == BAD_SEED and prefix_write == (stage == "rows"):
+                raise ValueError("injected row-write fault")
+            return write(row, col, values)
+
+        monkeypatch.setattr(pool, "write", failing_write)
     elif stage == "build":
         alloc = sched.cache.alloc_decode
 
@@ -69,8 +81,10 @@ def _inject(sched: Any, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(sched.output, "check_finished", failing_check)
 
 
-@pytest.mark.parametrize("stage", ["prefill", "decode", "build", "process"])
+@pytest.mark.parametrize("stage", ["prefill", "decode", "build", "process", "rows", "slots"])
 def test_a_failing_batch_fails_alone(shared, stage: str, monkeypatch) -> None:
+    """rows / slots: writing the batch's request rows fails part-way (a row allocated for a
+    request whose write never ran leaked before; so did slots no row recorded yet)."""
     eng, refs = shared
     _inject(eng.scheduler, stage, monkeypatch)
     bad = {**GREEDY, "seed": BAD_SEED}
@@ -81,7 +95,7 @@ def test_a_failing_batch_fails_alone(shared, stage: str, monkeypatch) -> None:
         assert out.finish_reason["kind"] == "abort" and "injected" in out.finish_reason["message"], out
         assert out.finish_reason["status"] == 500
         assert ids == refs[name][: len(ids)], "the tokens sent before the fault are the clean run's"
-        assert (len(ids) > 0) == (stage != "prefill"), "the fault lands mid-stream past the prefill"
+        assert (len(ids) > 0) == (stage not in ("prefill", "rows", "slots")), "the fault lands mid-stream"
     assert later_ids == refs["later"] and later.finish_reason["kind"] == "length"
     again = eng.generate([PROMPTS["good"], PROMPTS["later"]], GREEDY)
     assert [r["token_ids"] for r in again] == [refs["good"], refs["later"]]
@@ -144,3 +158,22 @@ def test_which_faults_are_contained() -> None:
     fatal = [AssertionError("pool"), MemoryError(), OutOfKV("budget"), torch.OutOfMemoryError("oom"),
              RuntimeError("CUDA error: an illegal memory access was encountered"), KeyboardInterrupt()]
     assert not any(is_fatal(e) for e in contained) and all(is_fatal(e) for e in fatal)
+
+
+def test_an_engine_built_under_inference_mode_serves(model_path) -> None:
+    """Built inside the caller's torch.inference_mode() (as a benchmark's main() may be), the
+    pools are inference tensors; the scheduler thread wrote them outside inference mode, which
+    torch refuses: every prefill failed, and a flush then found a leaked request row."""
+    import torch
+
+    with torch.inference_mode():
+        eng = Engine(str(model_path("tiny")), dtype="float32", max_total_tokens=2048)
+    try:
+        with torch.inference_mode():
+            first = eng.generate([PROMPTS["good"], PROMPTS["bad"]], GREEDY)
+        assert all(r["finish_reason"] == "length" for r in first), first
+        assert_whole(eng)  # flushes: the prompts run again uncached
+        assert eng.generate(PROMPTS["good"], GREEDY)[0]["token_ids"] == first[0]["token_ids"]
+        assert_whole(eng)
+    finally:
+        eng.shutdown()

@@ -1,4 +1,5 @@
-"""A stand-in for FlashInfer's paged wrappers on CPU, so the FlashInfer backend's own logic
+"""A stand-in for FlashInfer's paged wrappers (and, in fake_flashinfer_ops.py, its norm, RoPE and
+activation kernels) on CPU, so the FlashInfer backend's own logic
 (page tables, plans, the CUDA-graph buffers) is tested without a GPU.
 
 It keeps FlashInfer 0.7's contract, from its source, and is no more permissive than it:
@@ -24,6 +25,7 @@ import types
 from dataclasses import dataclass
 
 import fake_flashinfer_copies as copies
+import fake_flashinfer_ops
 import torch
 
 HEAD_DIMS = (64, 128, 256)
@@ -199,6 +201,9 @@ def install(monkeypatch: object) -> types.ModuleType:
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)  # type: ignore[attr-defined]
+    for name, sub in fake_flashinfer_ops.modules().items():  # norm, rope, activation
+        setattr(mod, name, sub)
+        monkeypatch.setitem(sys.modules, f"flashinfer.{name}", sub)  # type: ignore[attr-defined]
     copies.install(monkeypatch)
     PLANS.clear()
     return mod
