@@ -17,8 +17,11 @@ no per-step host array of page numbers crosses the bus either.
 FlashInfer aligns the causal mask bottom-right (query j of an extend of n
 tokens over kv_len keys sits at kv_len - n + j), which is exactly our contract,
 so MIXED batches run through the prefill wrapper with decode rows as 1-token
-extends. Decode under CUDA graphs uses one wrapper per bucket, all over shared
-fixed buffers (runner/cuda_graph_runner.py).
+extends. An extend batch in which no request has a cached prefix (a fresh
+prompt, or the first chunk of one) runs the ragged prefill kernel over the
+forward's own k/v instead: the same causal attention with no page table.
+Decode under CUDA graphs uses one wrapper per bucket, all over shared fixed
+buffers (runner/cuda_graph_runner.py).
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         # workspace that must start at zero, and a reused allocator block holds stale bytes.
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # Extends with no cached prefix attend over their own new K/V only: the ragged kernel
+        # reads those straight from the forward's k/v, with no page table (SGLang does the same).
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self._ragged = False
         self._tensor_cores = decode_tensor_cores(ctx)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
@@ -138,6 +145,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_decode(self.decode_wrapper, batch)
             return
         qo_indptr = torch.tensor([0, *itertools.accumulate(batch.extend_lens_cpu)], dtype=torch.int32)
+        self._ragged = batch.seq_lens_cpu == batch.extend_lens_cpu  # no request has a cached prefix
+        if self._ragged:
+            self._fenced_plan(
+                self.ragged_wrapper, qo_indptr, qo_indptr, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim,
+                causal=True, sm_scale=ctx.scaling, q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype,
+            )
+            return
         indptr, indices, last = self._table(batch)
         self._fenced_plan(
             self.prefill_wrapper, qo_indptr, indptr, indices, last,
@@ -173,6 +187,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        if self._ragged:
+            return self.ragged_wrapper.run(q.contiguous(), k, v).flatten(1)
         return self.prefill_wrapper.run(q.contiguous(), self._paged(layer)).flatten(1)
 
     def forward_decode(

@@ -38,6 +38,11 @@ CASES = {
 }
 
 
+def mode_kind(mode: ForwardMode) -> str:
+    """The stand-in's plan kind for a batch with a cached prefix somewhere."""
+    return "decode" if mode == ForwardMode.DECODE else "prefill"
+
+
 def _ctx(device: str, page_size: int, dtype: torch.dtype) -> SimpleNamespace:
     return SimpleNamespace(
         req_to_token_pool=ReqToTokenPool(8, 256, device),
@@ -93,8 +98,9 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, m
         new_locs.append(slots[prefix:])
     n_tok = sum(e for _, e in reqs)
     q = torch.randn(n_tok, HEADS, DIM, dtype=dtype, device=device)
-    k_new = torch.cat([k[p:] for k, (p, _) in zip(full_k, reqs)])
-    v_new = torch.cat([v[p:] for v, (p, _) in zip(full_v, reqs)])
+    # k and v as the model hands them over: strided views of one row per token (its qkv)
+    kv_rows = torch.cat([torch.cat([k[p:], v[p:]], dim=1) for k, v, (p, _) in zip(full_k, full_v, reqs)])
+    k_new, v_new = kv_rows[:, :KV_HEADS], kv_rows[:, KV_HEADS:]
     n_extend = sum(1 for _, e in reqs if mode != ForwardMode.MIXED or e > 1)
     batch = ForwardBatch.build(
         mode, torch.zeros(n_tok, dtype=torch.int64), rows, [p for p, _ in reqs], [e for _, e in reqs],
@@ -103,6 +109,9 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, m
     backend.init_forward_metadata(batch)
     if name == "flashinfer-fake":  # planned from host lengths: reading them costs no device sync
         assert fake_flashinfer.PLANS and all(p.host_indptr for p in fake_flashinfer.PLANS)
+        # No cached prefix anywhere in the batch: the ragged kernel, over the forward's own k/v.
+        ragged = mode == ForwardMode.EXTEND and all(p == 0 for p, _ in reqs)
+        assert {p.kind for p in fake_flashinfer.PLANS} == {"ragged" if ragged else mode_kind(mode)}
     out = backend.forward(q, k_new, v_new, 0, batch)
     assert out.shape == (n_tok, HEADS * DIM) and out.dtype == dtype
 

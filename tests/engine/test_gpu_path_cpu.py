@@ -174,7 +174,7 @@ def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
         m.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(0xA5))
         backend = FlashInferAttentionBackend(ctx)
         states = backend.graph_states([1, 2], max_pages=4)
-    handed = [backend.prefill_wrapper.workspace, backend.decode_wrapper.workspace,
+    handed = [backend.prefill_wrapper.workspace, backend.ragged_wrapper.workspace, backend.decode_wrapper.workspace,
               *(s.workspace for s in states.values())]
     assert all(w is backend.workspace for w in handed)
     assert backend.workspace.numel() > 0 and not backend.workspace.any()

@@ -96,9 +96,12 @@ class _Paged:
             raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match {rows_are} ({rows}).")
         if q.dim() != 3 or tuple(q.shape[1:]) != (heads, dim):
             raise ValueError(f"q has shape {tuple(q.shape)}; plan() was given {heads} heads of dim {dim}.")
-        if k.dim() != 4 or tuple(k.shape[1:]) != (self._page_size, kv_heads, dim) or v.shape != k.shape:
-            raise ValueError(f"paged k/v have shapes {tuple(k.shape)}/{tuple(v.shape)}; plan() was given "
-                             f"page_size {self._page_size}, {kv_heads} KV heads of dim {dim} (NHD).")
+        kv_shape = (self._page_size, kv_heads, dim) if self._page_size else (kv_heads, dim)  # paged | ragged
+        if k.dim() != 1 + len(kv_shape) or tuple(k.shape[1:]) != kv_shape or v.shape != k.shape:
+            raise ValueError(f"k/v have shapes {tuple(k.shape)}/{tuple(v.shape)}; plan() was given "
+                             f"{kv_heads} KV heads of dim {dim} (NHD), page_size {self._page_size} (0: ragged).")
+        if any(t.stride(-1) != 1 for t in (q, k, v)):
+            raise ValueError("q, k and v must be contiguous in their last dim")
         self._copy.check("between plan() and run()")
         self._copy.ran = True
         return self._copy
@@ -193,6 +196,40 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
                                 copy.host["paged_kv_last_page_len"])
 
 
+class BatchPrefillWithRaggedKVCacheWrapper(_Paged):
+    """Causal prefill over the caller's own k/v, (tokens, kv_heads, dim) each, no page table.
+    run() refuses q or k rows other than qo_indptr[-1] / kv_indptr[-1]; k and v may be strided
+    (the kernels take row and head strides), with a contiguous last dim."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
+        super().__init__()
+        assert kv_layout == "NHD"
+        self.workspace = workspace
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim_qk: int, *, causal: bool = False, sm_scale: float | None = None,
+             q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None) -> None:
+        assert causal
+        if len(kv_indptr) != len(qo_indptr):
+            raise ValueError("qo_indptr and kv_indptr disagree on the batch size")
+        host = {"qo_indptr": qo_indptr, "kv_indptr": kv_indptr}
+        self._plan(host, torch.zeros(0, dtype=torch.int32), (num_qo_heads, num_kv_heads, head_dim_qk), 0,
+                   q_data_type, kv_data_type, sm_scale)
+        PLANS.append(Plan("ragged", all(t.device.type == "cpu" for t in host.values()), len(qo_indptr) - 1))
+        self._qo_last, self._kv_last = int(qo_indptr[-1]), int(kv_indptr[-1])
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        copy = self._check_run(q, (k, v), self._qo_last, "qo_indptr[-1]")
+        if k.shape[0] != self._kv_last:
+            raise ValueError(f"k.shape[0] ({k.shape[0]}) does not match kv_indptr[-1] ({self._kv_last}).")
+        qo, kv = ([int(x) for x in copy.host[name]] for name in ("qo_indptr", "kv_indptr"))
+        out = []
+        for i in range(len(qo) - 1):
+            pages = torch.arange(kv[i], kv[i + 1])  # each K/V row a page of one token
+            out.append(_attend(q[qo[i] : qo[i + 1]], k[:, None], v[:, None], pages, kv[i + 1] - kv[i], self._scale))
+        return torch.cat(out)
+
+
 def install(monkeypatch: object) -> types.ModuleType:
     """Make `import flashinfer` return this stand-in, and CPU events the fence of its plan copies,
     for the rest of the test."""
@@ -200,6 +237,7 @@ def install(monkeypatch: object) -> types.ModuleType:
     mod.__spec__ = importlib.machinery.ModuleSpec("flashinfer", None)  # what find_spec reports
     mod.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
+    mod.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)  # type: ignore[attr-defined]
     for name, sub in fake_flashinfer_ops.modules().items():  # norm, rope, activation
         setattr(mod, name, sub)
