@@ -5,6 +5,9 @@
 #
 #     OUT=/tmp/gpu-out bash bench/gpu_session.sh
 #
+# Knobs (environment): SKIP_KV, SKIP_BENCH, PD_K (a -k filter), BATCHES, STEPS, DECODE_VARIANTS (below),
+# and a time limit per step (*_LIMIT).
+#
 # Every step has its own time limit and log ($OUT/<step>.log); $OUT/summary lists each step's exit
 # status and seconds, so one slow or failing step costs its own limit, never the rest of the run.
 # The Llama-1B-shape model (random weights, 2.4 GB) builds in the background while the tests run.
@@ -66,8 +69,11 @@ step decode-bench "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py --model llam
 # Where the prefill's time goes, ours beside HF's (bench/prefill_profile.py).
 (cd /tmp && step prefill-profile "${PREFILL_LIMIT:-120}" python3 "$OLDPWD/bench/prefill_profile.py" \
     --model llama-1b-shape --prefill 8x2048 --out "$OUT/prefill_profile.json")
-# The CUDA-core decode kernel against the tensor-core one (decode_tensor_cores), same shapes.
-[ -n "${DECODE_AB:-}" ] && step decode-bench-cuda-cores "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py \
-    --model llama-1b-shape --batches "${BATCHES:-1,64}" --steps "${STEPS:-64}" --repeats 2 --prefill none \
-    --engine-arg decode_tensor_cores=false --out "$OUT/gpu_decode_cuda_cores.json"
+# Decode again per engine setting in DECODE_VARIANTS, same shapes, e.g.
+# DECODE_VARIANTS="decode_tensor_cores=false page_size=16 layer_ops=torch" (one run each).
+for v in ${DECODE_VARIANTS:-}; do
+    step "decode-bench-${v//[^a-z0-9]/-}" "${BENCH_LIMIT:-180}" python3 bench/gpu_decode.py --model llama-1b-shape \
+        --batches "${BATCHES:-1,64}" --steps "${STEPS:-64}" --repeats 2 --prefill 8x2048 --engine-arg "$v" \
+        --out "$OUT/gpu_decode_${v//[^a-z0-9]/-}.json"
+done
 echo "done ${SECONDS}s" | tee -a "$OUT/summary"
