@@ -49,6 +49,21 @@ class FlashInferLayerOps:
         table = torch.cat([rotary.cos[:, :half], rotary.sin[:, :half]], dim=-1)
         self._tables[id(rotary)] = table.float().contiguous()
 
+    def warm_up(self, hidden: int, intermediate: int, heads: Heads, like: torch.Tensor) -> None:
+        """Run every op once on two rows of this model's shapes, on its device and dtype: FlashInfer
+        builds (JIT) and loads each kernel on first use, which must happen now, not mid-forward."""
+        rows = torch.ones(2, hidden, dtype=like.dtype, device=like.device)
+        weight = torch.ones(hidden, dtype=like.dtype, device=like.device)
+        self.add_rms_norm(self.rms_norm(rows, weight, 1e-6), rows.clone(), weight, 1e-6)
+        self.silu_and_mul(torch.ones(2, 2 * intermediate, dtype=like.dtype, device=like.device))
+        qkv = torch.ones(2, (heads.q + 2 * heads.kv) * heads.dim, dtype=like.dtype, device=like.device)
+        table = next(iter(self._tables.values()))
+        norm = torch.ones(heads.dim, dtype=like.dtype, device=like.device)
+        positions = torch.zeros(2, dtype=torch.int64, device=like.device)
+        self.qk_rope(qkv, RopeBatch(positions, table), heads, norm, norm, 1e-6)  # qk-norm and RoPE
+        if like.device.type == "cuda":
+            torch.cuda.synchronize(like.device)  # a launch error surfaces here, not in the first step
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._norm.rmsnorm(x, weight, eps)
 

@@ -3,6 +3,7 @@ the model, else HF's torch chain; an explicit choice that cannot run is refused 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +12,9 @@ from tandem.engine.attention import flashinfer_limits
 from tandem.engine.models.layer_ops import TORCH, CpuKernelOps, LayerOps
 
 if TYPE_CHECKING:
-    from tandem.engine.models.layers import RotaryEmbedding
+    from tandem.engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 NAMES = ("auto", "torch", "cpu-kernels", "flashinfer")
 
@@ -37,14 +40,26 @@ def choose(name: str, device_type: str, dtype: torch.dtype, head_dim: int, have_
     return name
 
 
-def build(name: str, rotary: RotaryEmbedding) -> LayerOps:
-    """An implementation chosen by `choose`, ready for the model whose RoPE is `rotary`."""
+def build(name: str, model: LlamaForCausalLM, fall_back: bool = False) -> LayerOps:
+    """An implementation chosen by `choose`, ready for `model`. FlashInfer's ops run once on
+    the model's device and shapes first, so that a kernel that cannot build here (FlashInfer
+    JIT-compiles them on first use) fails at start-up, never mid-forward: with `fall_back`
+    (layer_ops=auto) the model then keeps the torch ops, else it is a ValueError."""
     if name == "cpu-kernels":
         return CpuKernelOps()
-    if name == "flashinfer":
-        from tandem.engine.models.flashinfer_ops import FlashInferLayerOps
+    if name != "flashinfer":
+        return TORCH
+    from tandem.engine.models.flashinfer_ops import FlashInferLayerOps
 
+    try:
         ops = FlashInferLayerOps()
-        ops.prepare(rotary)
-        return ops
-    return TORCH
+        ops.prepare(model.rope)
+        ops.warm_up(model.cfg.hidden_size, model.cfg.intermediate_size, model.layers[0].self_attn.heads,
+                    model.embed_tokens.weight)
+    except Exception as exc:  # an import, a JIT build or a launch: this machine cannot run them
+        if not fall_back:
+            raise ValueError(f"layer_ops=flashinfer cannot run here: {type(exc).__name__}: {exc}") from exc
+        log.warning("FlashInfer's layer ops failed their warm-up, using the torch ops: %s: %s",
+                    type(exc).__name__, exc)
+        return TORCH
+    return ops

@@ -71,8 +71,9 @@ class ModelRunner:
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
             pack_linears(self.model)
-        self.layer_ops_name = self._choose_layer_ops()
-        self.model.use_layer_ops(layer_ops_choice.build(self.layer_ops_name, self.model.rope))
+        ops = layer_ops_choice.build(self._choose_layer_ops(), self.model, fall_back=config.layer_ops == "auto")
+        self.model.use_layer_ops(ops)
+        self.layer_ops_name = ops.name
 
     def _choose_layer_ops(self) -> str:
         mc = self.model_config

@@ -144,7 +144,7 @@ def test_flashinfer_backend_under_graphs_matches_its_eager_self(model_path, monk
                        max_running_requests=8, max_context_len=256)
     runner = ModelRunner.load(model_path("tiny"), cfg)
     runner.attn_backend = FlashInferAttentionBackend(runner)
-    runner.model.use_layer_ops(layer_ops_choice.build("flashinfer", runner.model.rope))
+    runner.model.use_layer_ops(layer_ops_choice.build("flashinfer", runner.model))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, runner.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 25)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 12, 7, 20, 9)]

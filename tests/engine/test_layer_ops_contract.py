@@ -146,7 +146,7 @@ def test_models_through_flashinfer_ops_are_as_close_to_hf_as_torch_ops(model_pat
     errors = {}
     for name in ("torch", "flashinfer"):
         runner = _runner(path, dtype="bfloat16", layer_ops="torch")
-        runner.model.use_layer_ops(layer_ops_choice.build(name, runner.model.rope))
+        runner.model.use_layer_ops(layer_ops_choice.build(name, runner.model))
         sb = StaticBatch(runner)
         prompts = _prompts(runner.vocab_size, [20, 45], seed=5)
         seqs = sb.new(len(prompts))
@@ -160,6 +160,26 @@ def test_models_through_flashinfer_ops_are_as_close_to_hf_as_torch_ops(model_pat
         sb.release(seqs)
         runner.kv_pool.check_integrity(in_use_pages=0)
     assert errors["flashinfer"] <= 1.5 * errors["torch"] + 1e-3, errors
+
+
+def test_flashinfer_ops_that_cannot_run_here_fail_at_start_up(model_path, monkeypatch, caplog) -> None:
+    """A kernel FlashInfer cannot build or launch (no nvcc for its JIT, say) fails the warm-up
+    that `build` runs: `auto` keeps the torch ops, an explicit layer_ops=flashinfer is refused."""
+    import fake_flashinfer
+    from test_model_vs_hf import _runner
+
+    flashinfer = fake_flashinfer.install(monkeypatch)
+    runner = _runner(model_path("tiny-llama"), dtype="bfloat16", layer_ops="torch")
+    assert layer_ops_choice.build("flashinfer", runner.model).name == "flashinfer"
+
+    def no_compiler(*args, **kw):
+        raise RuntimeError("Ninja build failed: nvcc not found")
+
+    monkeypatch.setattr(flashinfer.activation, "silu_and_mul", no_compiler)
+    assert layer_ops_choice.build("flashinfer", runner.model, fall_back=True) is TORCH
+    assert "nvcc not found" in caplog.text
+    with pytest.raises(ValueError, match="layer_ops=flashinfer cannot run here: RuntimeError: Ninja"):
+        layer_ops_choice.build("flashinfer", runner.model)
 
 
 def test_choose_takes_the_devices_fused_ops_and_refuses_what_cannot_run() -> None:
