@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.attention import choose_backend, create_backend, flashinfer_installed
-from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.model_config import ModelConfig, RunnerConfig
@@ -124,11 +124,26 @@ class ModelRunner:
             from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, config.graph_max_bs)
+        if self.device.type == "cuda":
+            self.warm_up()
         log.info(
             "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s, layer ops %s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
             self.page_size, type(self.attn_backend).__name__, self.layer_ops_name,
         )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward of each extend kind (no cached prefix: FlashInfer's ragged kernel; a prefix:
+        its paged one), run by `attach` on CUDA. FlashInfer builds (JIT) each kernel on first use,
+        and one that cannot build must fail the start-up, not every request's prefill. Decode is
+        warmed by the graph capture. The batches use request row 0 and KV slot 0 only: page 0 is
+        reserved as the padding target, so nothing live is read or written."""
+        slot0 = torch.zeros(1, dtype=torch.int64)
+        for prefix in (0, 1):
+            self.forward(ForwardBatch.build(ForwardMode.EXTEND, [0], [0], [prefix], [1], slot0, self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -180,6 +180,25 @@ def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
     assert backend.workspace.numel() > 0 and not backend.workspace.any()
 
 
+def test_the_warm_up_runs_both_prefill_kernels_on_row_0_and_page_0_only(model_path, monkeypatch) -> None:
+    """ModelRunner.warm_up (run at attach on CUDA, where FlashInfer JIT-builds its kernels on first
+    use): the ragged and the paged prefill each plan and run once, and the pools stay untouched."""
+    import fake_flashinfer
+
+    from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    fake_flashinfer.install(monkeypatch)
+    cfg = RunnerConfig(dtype="bfloat16", device="cpu", page_size=16, max_total_tokens=1024,
+                       max_running_requests=4, max_context_len=256)
+    runner = ModelRunner.load(model_path("tiny"), cfg)
+    runner.attn_backend = FlashInferAttentionBackend(runner)
+    fake_flashinfer.PLANS.clear()
+    runner.warm_up()
+    assert [p.kind for p in fake_flashinfer.PLANS] == ["ragged", "prefill"]
+    runner.kv_pool.check_integrity(in_use_pages=0)
+    runner.req_to_token_pool.check_integrity(in_use=0)
+
+
 def test_decode_kernel_choice_follows_heads_per_kv_head_unless_configured() -> None:
     from tandem.engine.attention.flashinfer_backend import decode_tensor_cores
 
