@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from json_schemas import TOP, assert_valid
+from json_schemas import TOKEN_BUDGET, TOP, assert_valid
 
-MAX_NEW = 256
+MAX_NEW = TOKEN_BUDGET
 BASE = dict(max_total_tokens=4096, max_running_requests=16)
 SCENARIOS = {
     "normal": dict(disable_overlap_schedule=True),
@@ -63,6 +63,21 @@ def engines(model_path: Any) -> Any:
     finally:
         for eng in built.values():
             eng.shutdown()
+
+
+def test_the_schema_bound_is_the_longest_answers_length() -> None:
+    """worst_tokens (which keeps the generated schemas within the token budget) is the length of
+    the longest compact answer: every string character escaped, optional properties present,
+    arrays full, integers at their widest bound."""
+    from json_schemas import worst_tokens
+
+    schema = {"type": "object", "properties": {
+        "ab": {"type": "string", "maxLength": 2},
+        "n": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 10}, "maxItems": 2},
+        "e": {"enum": ["x", 123]}, "f": {"type": "boolean"}}, "required": []}
+    longest = {"ab": "\u0000\u0000", "n": [-5, -5], "e": 123, "f": False}
+    assert worst_tokens(schema) == len(json.dumps(longest)) == len(json.dumps(longest, separators=(", ", ": ")))
+    assert_valid(json.dumps(longest), schema)
 
 
 # No shrinking: each example runs five engines, and a failure prints its schemas whole.

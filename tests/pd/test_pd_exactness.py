@@ -10,7 +10,7 @@ import concurrent.futures as cf
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from json_schemas import TOP, assert_valid
+from json_schemas import TOKEN_BUDGET, TOP, assert_valid
 from pd_client import pd_generate, pd_post, pd_stats
 from worker_process import Worker, running
 
@@ -159,7 +159,7 @@ def test_generated_schemas_through_pd_validate_and_match_colocated(stack, schema
 
     pre, dec, col, _ = stack
     bodies = [{"text": f"structured item {i} " * (1 + 3 * i), "sampling_params": {
-        "max_new_tokens": 256, "temperature": temperature, "seed": 21 + i, "json_schema": json.dumps(s)}}
+        "max_new_tokens": TOKEN_BUDGET, "temperature": temperature, "seed": 21 + i, "json_schema": json.dumps(s)}}
         for i, s in enumerate(schemas)]
     with cf.ThreadPoolExecutor(len(bodies)) as ex:
         got = list(ex.map(lambda b: pd_generate(pre, dec, b), bodies))

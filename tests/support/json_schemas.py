@@ -1,8 +1,9 @@
 """Generated JSON schemas for the structured-output property tests (engine, PD): objects,
 arrays, enums, bounded strings and integers, nested.
 
-Strings and arrays carry maxLength / maxItems so that a model that prefers no token in
-particular (the tiny model has random weights) still closes every value within the budget.
+Strings and arrays carry maxLength / maxItems, and TOP keeps only schemas whose longest answer
+fits TOKEN_BUDGET tokens, so that a model that prefers no token in particular (the tiny model has
+random weights) still closes every value within the budget.
 """
 
 from __future__ import annotations
@@ -40,8 +41,37 @@ def _array(children: st.SearchStrategy) -> st.SearchStrategy:
     return st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, children, st.integers(0, 3))
 
 
+# The tests' max_new_tokens: every generated schema's longest answer fits in it (worst_tokens).
+TOKEN_BUDGET = 256
+# A string character may take six tokens: a \uXXXX escape is six ASCII characters, a token
+# holds at least one byte (a raw 4-byte character is at most four tokens).
+_STRING_CHAR = 6
+
+
+def worst_tokens(schema: dict[str, Any]) -> int:
+    """Tokens of the longest compact answer `schema` admits (xgrammar's separators ", " and ": ",
+    every optional property present, every array full): a token holds at least one byte, and
+    outside strings every character is one byte."""
+    if "enum" in schema:
+        return max(len(json.dumps(x)) for x in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + _STRING_CHAR * schema["maxLength"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind in ("boolean", "null"):
+        return 5
+    if kind == "array":
+        n = schema["maxItems"]
+        return 2 + n * worst_tokens(schema["items"]) + 2 * max(0, n - 1)
+    props = schema["properties"]
+    return 2 + sum(len(json.dumps(k)) + 2 + worst_tokens(v) for k, v in props.items()) + 2 * max(0, len(props) - 1)
+
+
 SCHEMAS = st.recursive(LEAVES, lambda c: st.one_of(_object(c), _array(c)), max_leaves=8)
-TOP = _object(SCHEMAS)  # a top-level object, as response_format json_schema asks for
+# A top-level object, as response_format json_schema asks for, whose every answer fits the
+# budget: a random-weight model may well write the longest one (the bound filters ~30%).
+TOP = _object(SCHEMAS).filter(lambda schema: worst_tokens(schema) <= TOKEN_BUDGET)
 
 
 def assert_valid(text: str, schema: dict[str, Any]) -> None:

@@ -59,7 +59,8 @@ class Worker:
         self.admin_url = f"http://127.0.0.1:{free_port()}"  # its admin listener (drain, flush, abort, /workers)
         self.api_key = api_key
         self.bootstrap: int | None = None
-        self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False,
+                                               dir=os.environ.get("TANDEM_TEST_PROCESS_FILES"))  # tests/conftest.py
         cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port),
                "--admin-port", self.admin_url.rsplit(":", 1)[1]]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
