@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 from router_fakes import FakeWorker, fakes, router, run
-from waits import async_until
+from waits import async_wait_until
 
 from tandem.router.config import RouterConfig
 from tandem.router.upstream import UpstreamError, _target
@@ -125,7 +125,7 @@ def test_a_client_that_stops_reading_loses_its_stream_and_slot() -> None:
                 async def released() -> bool:
                     return bool(w.streams_closed) and await _inflight(c, url) == 0
 
-                await async_until(released, 20, "the stalled stream to release the worker and its slot", 0.1)
+                await async_wait_until(released, 20, "the stalled stream to release the worker and its slot", 0.1)
             finally:
                 sock.close()
 

@@ -4,6 +4,7 @@ and wastes time on an idle one; these poll a condition until it holds or a deadl
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -24,22 +25,17 @@ def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float
         time.sleep(interval)
 
 
-async def async_until(cond: Callable[[], Awaitable[object]], timeout: float, what: str, interval: float = 0.02) -> None:
-    """Await `cond()` until it is truthy; for conditions that need a request to check."""
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
-
-
-async def async_wait_until(cond: Callable[[], T], timeout: float, what: str) -> T:
-    """wait_until on an event loop: each poll yields one turn, so the loop's callbacks run."""
+async def async_wait_until(cond: Callable[[], T | Awaitable[T]], timeout: float, what: str,
+                           interval: float = 0.001) -> T:
+    """wait_until on an event loop: each poll yields to the loop, so its callbacks run. `cond`
+    may be a coroutine function, for a condition that needs a request to check."""
     deadline = time.monotonic() + timeout
     while True:
         value = cond()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
-            return value
+            return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(interval)
