@@ -195,4 +195,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
-        return self.active_decode_wrapper.run(q.contiguous(), self._paged(layer)).flatten(1)
+        # q as the model hands it over, a strided view of the qkv rows: both decode kernels read
+        # q through its row and head strides (csrc/batch_decode.cu, batch_prefill.cu), so a copy
+        # would cost a launch per layer for nothing. (FlashInfer copies q itself only for its
+        # trtllm-gen backend, which this wrapper does not use.)
+        return self.active_decode_wrapper.run(q, self._paged(layer)).flatten(1)

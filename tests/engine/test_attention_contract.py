@@ -97,7 +97,8 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, m
         full_v.append(v)
         new_locs.append(slots[prefix:])
     n_tok = sum(e for _, e in reqs)
-    q = torch.randn(n_tok, HEADS, DIM, dtype=dtype, device=device)
+    # q too: a strided view of rows wider than it (the model's qkv)
+    q = torch.randn(n_tok, (HEADS + 2) * DIM, dtype=dtype, device=device)[:, : HEADS * DIM].view(n_tok, HEADS, DIM)
     # k and v as the model hands them over: strided views of one row per token (its qkv)
     kv_rows = torch.cat([torch.cat([k[p:], v[p:]], dim=1) for k, v, (p, _) in zip(full_k, full_v, reqs)])
     k_new, v_new = kv_rows[:, :KV_HEADS], kv_rows[:, KV_HEADS:]

@@ -294,3 +294,39 @@ def test_the_one_launch_page_table_equals_the_torch_one(device: str) -> None:
     out = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + _GATHER_CHECK], env=env,
                          capture_output=True, text=True, timeout=300, cwd="/")
     assert out.stdout.strip() == "same", out.stderr[-3000:]
+
+
+_STORE_CHECK = """
+import torch
+from tandem.engine.kvcache.kv_store_triton import rows_are_dense, store_kv
+g = torch.Generator().manual_seed(0)
+for heads, dim, dtype in ((2, 64, torch.bfloat16), (8, 128, torch.float16), (1, 32, torch.float32)):
+    width = heads * dim
+    qkv = torch.randn(9, 3 * width + 5, generator=g).to(dtype).to(DEVICE)  # rows wider than k and v
+    k = qkv[:, width : 2 * width].view(9, heads, dim)
+    v = qkv[:, 2 * width + 5 :].view(9, heads, dim)
+    assert rows_are_dense(k) and rows_are_dense(v) and not k.is_contiguous()
+    loc = torch.randperm(40, generator=g)[:9].to(DEVICE)
+    kb, vb = (torch.zeros(40, heads, dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    want_k, want_v = kb.clone().index_copy_(0, loc, k), vb.clone().index_copy_(0, loc, v)
+    store_kv(kb, vb, loc, k, v)
+    assert torch.equal(kb, want_k) and torch.equal(vb, want_v), (heads, dim, dtype)
+store_kv(kb, vb, loc[:0], k[:0], v[:0])
+assert not rows_are_dense(torch.randn(4, 8, 2).transpose(1, 2))
+print("same")
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_one_launch_kv_store_equals_index_copy(device: str) -> None:
+    """The Triton KV store the pool uses on CUDA writes what two index_copy_ calls write, from
+    k/v that are strided views of wider rows (as the forward's qkv are): on CPU through Triton's
+    interpreter (in a child, set before Triton is imported), and on the GPU."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
+    out = subprocess.run([sys.executable, "-c", f"DEVICE = {device!r}\n" + _STORE_CHECK], env=env,
+                         capture_output=True, text=True, timeout=300, cwd="/")
+    assert out.stdout.strip() == "same", out.stderr[-3000:]
