@@ -37,6 +37,7 @@ def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
         role=spec.role, model=svc.model.container_path, served_model_name=svc.model.served_name,
         host="0.0.0.0", port=names.HTTP_PORT, bootstrap_port=names.BOOTSTRAP_PORT,
         config=contract.ENGINE_CONFIG_PATH, extra=tuple(spec.extra_args),
+        tool_call_parser=svc.model.tool_call_parser, reasoning_parser=svc.model.reasoning_parser,
     ))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 from tandem.operator.spec.pd_ratio import ratio_feasible
@@ -47,6 +48,8 @@ class ModelSource:
     pvc_path: str
     host_path: str | None
     heads: ModelHeads | None = None  # spec.model.heads: lets reconcile check tensorParallelSize
+    tool_call_parser: str | None = None  # spec.model.toolCallParser, on every worker's command line
+    reasoning_parser: str | None = None
 
     @property
     def container_path(self) -> str:
@@ -144,7 +147,18 @@ def parse_model(raw: Any, errors: list[str]) -> ModelSource | None:
         pvc_path=str(pvc.get("path") or ""),
         host_path=str(host["path"]) if host.get("path") else None,
         heads=parse_heads(raw.get("heads"), errors),
+        tool_call_parser=_choice(raw.get("toolCallParser"), contract.TOOL_CALL_PARSERS, "spec.model.toolCallParser",
+                                 errors),
+        reasoning_parser=_choice(raw.get("reasoningParser"), contract.REASONING_PARSERS,
+                                 "spec.model.reasoningParser", errors),
     )
+
+
+def _choice(value: Any, choices: tuple[str, ...], where: str, errors: list[str]) -> str | None:
+    if value is None or value in choices:
+        return value
+    errors.append(f"{where} must be one of {list(choices)}, got {str(value)[:64]!r}")
+    return None
 
 
 def _gpu_limit(resources: dict[str, Any]) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem import worker_contract as contract
 from tandem.operator.spec.status_schema import STATUS_SCHEMA
 
 Schema = dict[str, Any]
@@ -156,6 +157,11 @@ MODEL = obj(
         "hostPath": obj({"path": string(min_length=1, desc="Absolute model directory on the node.")},
                         required=("path",)),
         "uri": string(desc="Reserved for a later release (hf://, s3://); rejected by the operator today."),
+        "toolCallParser": string(enum=contract.TOOL_CALL_PARSERS, desc=(
+            "How the workers read tool calls out of chat answers; unset: the format the model's chat "
+            "template names.")),
+        "reasoningParser": string(enum=contract.REASONING_PARSERS, desc=(
+            "Split a reasoning model's thinking into reasoning_content; unset: answers are left whole.")),
         "heads": obj({
             "attention": integer(1, 4096, desc="num_attention_heads in the model's config.json."),
             "keyValue": integer(1, 4096, desc="num_key_value_heads in config.json; unset: as many as attention."),

@@ -62,6 +62,8 @@ BROKEN: dict[str, tuple[str, Any]] = {
     "unknown signal": ("spec.autoscaling.prefill.signal", "cpu"),
     "zero ratio": ("spec.autoscaling.ratio.min", 0),
     "tp too large": ("spec.prefill.tensorParallelSize", 128),
+    "unknown tool parser": ("spec.model.toolCallParser", "pythonic"),
+    "unknown reasoning parser": ("spec.model.reasoningParser", "o1"),
 }
 
 
