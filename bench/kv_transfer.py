@@ -5,6 +5,7 @@ a GPU (`--device cuda`, both processes on one GPU, VRAM to VRAM) against a devic
     python bench/kv_transfer.py --rounds 7                  # 4096-token prompts
     python bench/kv_transfer.py --tokens 1024 --scattered   # 1k tokens, pages scattered
     python bench/kv_transfer.py --device cuda               # -> docs/results/kv_transfer_cuda.json
+    python bench/kv_transfer.py --decode-heads 0:2          # to a TP rank holding half the KV heads
 
 The KV layout is the `small` model's (12 layers, 4 KV heads, head_dim 64, bf16) with
 page size 16. One send moves a whole prompt: every layer's K and V of tokens/16 pages,
@@ -37,8 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(page_size=16, num_layers=12, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
 
 
-def _receiver(conn, num_pages: int, device: str) -> None:
-    dst = TokenToKVPool(num_pages=num_pages, device=device, **SHAPE)
+def _pool(num_pages: int, device: str, heads: tuple[int, int] | None) -> TokenToKVPool:
+    """The small model's pool, or (heads) a TP rank's shard of its KV heads."""
+    if heads is None:
+        return TokenToKVPool(num_pages=num_pages, device=device, **SHAPE)
+    shape = {**SHAPE, "num_kv_heads": heads[1] - heads[0]}
+    return TokenToKVPool(num_pages=num_pages, device=device, heads=heads, total_kv_heads=SHAPE["num_kv_heads"],
+                         **shape)
+
+
+def _receiver(conn, num_pages: int, device: str, heads: tuple[int, int] | None) -> None:
+    dst = _pool(num_pages, device, heads)
     t = NixlTransfer("bench-decode")
     conn.send((t.register(dst.layout()), dst.layout().to_dict()))
     peer_meta, peer_layout = conn.recv()
@@ -58,7 +68,11 @@ def main() -> None:
     p.add_argument("--sends", type=int, default=20, help="sends per round (one prompt each)")
     p.add_argument("--scattered", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--decode-heads", default=None, metavar="LO:HI",
+                   help="the receiver holds only KV heads [LO, HI) of 4, as a decode TP rank whose TP size "
+                        "differs from prefill's: each token's slice is its own descriptor (docs/tp.md)")
     args = p.parse_args()
+    heads = tuple(int(x) for x in args.decode_heads.split(":")) if args.decode_heads else None
     cuda = args.device == "cuda"
     n = args.tokens // SHAPE["page_size"]
     num_pages = 8 * n + 1
@@ -66,7 +80,7 @@ def main() -> None:
     src.kv_buffer.normal_()
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(there, num_pages, args.device))
+    proc = ctx.Process(target=_receiver, args=(there, num_pages, args.device, heads))
     proc.start()
     t = NixlTransfer("bench-prefill", timeout=120)
     meta = t.register(src.layout())
@@ -76,6 +90,8 @@ def main() -> None:
     rng = random.Random(0)
     layout = src.layout()
     nbytes = n * layout.page_bytes * 2 * layout.num_layers
+    if heads is not None:  # only the receiver's share of every page moves
+        nbytes = nbytes * (heads[1] - heads[0]) // SHAPE["num_kv_heads"]
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=args.device)
     b = torch.empty_like(a)
     a.normal_()
@@ -90,7 +106,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for i in range(args.sends):
             sp, dp = pages()
-            t.send(peer, f"r{i}", sp, dp, b"")
+            t.send(peer, f"r{i}", sp, dp, b"", heads=heads)
             while not (ev := t.poll()).sent:
                 pass
             assert ev.sent[0].ok, ev.sent
@@ -123,11 +139,12 @@ def main() -> None:
         t.close()
         proc.join(30)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-              "tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered,
+              "tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered, "decode_heads": heads,
               "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0], "rounds": rows,
               "median_ratio": statistics.median(r["ratio"] for r in rows),
               "median_ratio_all_threads": statistics.median(r["ratio_all_threads"] for r in rows)}
-    out = ROOT / f"docs/results/kv_transfer{'_scattered' if args.scattered else ''}{'_cuda' if cuda else ''}.json"
+    tag = f"{'_scattered' if args.scattered else ''}{'_heads' if heads else ''}{'_cuda' if cuda else ''}"
+    out = ROOT / f"docs/results/kv_transfer{tag}.json"
     out.write_text(json.dumps(result, indent=1))
     base = "device copy" if cuda else "memcpy"
     print(f"NIXL / {base} bandwidth, median of {args.rounds} rounds: {result['median_ratio']:.2f} "
