@@ -35,6 +35,7 @@ from tandem.engine.kernels import cpu_kernels
 if TYPE_CHECKING:
     from tandem.engine.models.layers import RotaryEmbedding
 
+
 @dataclass(frozen=True)
 class Heads:
     """This rank's attention heads: the q, k and v column blocks of a qkv row."""

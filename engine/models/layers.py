@@ -1,8 +1,9 @@
-"""Building blocks shared by the decoder models: norm, rotary embedding, MLP.
+"""Building blocks shared by the decoder models: norm, rotary embedding, MLP, and the CPU's
+packed linears.
 
-All operate on flattened tokens: hidden states are (num_tokens, hidden).
-Numerics follow the HF reference (norms in fp32, RoPE cos/sin cast to the
-activation dtype) so that fp32 logits match it to ~1e-5.
+All operate on flattened tokens: hidden states are (num_tokens, hidden). The norm and MLP
+compute through the model's layer ops (layer_ops.py): HF's torch chain by default (fp32
+logits match HF to ~1e-5), or the device's fused kernels.
 """
 
 from __future__ import annotations
