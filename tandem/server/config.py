@@ -80,7 +80,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _engine_flag_type(f)
-        if kind is None:
+        if kind is None and "None" in str(f.type):  # bool | None: unset is "decide at start-up"
+            g.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS)
+        elif kind is None:
             g.add_argument(flag, dest=f"engine_{f.name}", action="store_true", default=argparse.SUPPRESS)
         else:
             g.add_argument(flag, dest=f"engine_{f.name}", type=kind, default=argparse.SUPPRESS,
