@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--decode-heads", default=None, metavar="LO:HI",
                    help="the receiver holds only KV heads [LO, HI) of 4, as a decode TP rank whose TP size "
                         "differs from prefill's: each token's slice is its own descriptor (docs/tp.md)")
+    p.add_argument("--out", default=None, help="default docs/results/kv_transfer[_scattered][_heads][_cuda].json")
     args = p.parse_args()
     heads = tuple(int(x) for x in args.decode_heads.split(":")) if args.decode_heads else None
     cuda = args.device == "cuda"
@@ -144,7 +145,7 @@ def main() -> None:
               "median_ratio": statistics.median(r["ratio"] for r in rows),
               "median_ratio_all_threads": statistics.median(r["ratio_all_threads"] for r in rows)}
     tag = f"{'_scattered' if args.scattered else ''}{'_heads' if heads else ''}{'_cuda' if cuda else ''}"
-    out = ROOT / f"docs/results/kv_transfer{tag}.json"
+    out = Path(args.out) if args.out else ROOT / f"docs/results/kv_transfer{tag}.json"
     out.write_text(json.dumps(result, indent=1))
     base = "device copy" if cuda else "memcpy"
     print(f"NIXL / {base} bandwidth, median of {args.rounds} rounds: {result['median_ratio']:.2f} "
