@@ -34,20 +34,17 @@ if TYPE_CHECKING:
 class FlashInferLayerOps:
     name = "flashinfer"
 
-    def __init__(self) -> None:
+    def __init__(self, rotary: RotaryEmbedding) -> None:
+        """For the model whose RoPE is `rotary`: its table is built here, before any forward
+        (none may allocate under a graph capture)."""
         import flashinfer.activation
         import flashinfer.norm
         import flashinfer.rope
 
         self._norm, self._rope, self._act = flashinfer.norm, flashinfer.rope, flashinfer.activation
-        self._tables: dict[int, torch.Tensor] = {}  # id(rotary) -> its [cos | sin] table
-
-    def prepare(self, rotary: RotaryEmbedding) -> None:
-        """Build the RoPE table before any forward (none may allocate under a graph capture)."""
         half = rotary.cos.shape[-1] // 2
         # cos and sin repeat their halves (neox: the table is cat(freqs, freqs)), so one half each
-        table = torch.cat([rotary.cos[:, :half], rotary.sin[:, :half]], dim=-1)
-        self._tables[id(rotary)] = table.float().contiguous()
+        self._table = torch.cat([rotary.cos[:, :half], rotary.sin[:, :half]], dim=-1).float().contiguous()
 
     def warm_up(self, hidden: int, intermediate: int, heads: Heads, like: torch.Tensor) -> None:
         """Run every op once on two rows of this model's shapes, on its device and dtype: FlashInfer
@@ -57,10 +54,9 @@ class FlashInferLayerOps:
         self.add_rms_norm(self.rms_norm(rows, weight, 1e-6), rows.clone(), weight, 1e-6)
         self.silu_and_mul(torch.ones(2, 2 * intermediate, dtype=like.dtype, device=like.device))
         qkv = torch.ones(2, (heads.q + 2 * heads.kv) * heads.dim, dtype=like.dtype, device=like.device)
-        table = next(iter(self._tables.values()))
         norm = torch.ones(heads.dim, dtype=like.dtype, device=like.device)
         positions = torch.zeros(2, dtype=torch.int64, device=like.device)
-        self.qk_rope(qkv, RopeBatch(positions, table), heads, norm, norm, 1e-6)  # qk-norm and RoPE
+        self.qk_rope(qkv, RopeBatch(positions, self._table), heads, norm, norm, 1e-6)  # qk-norm and RoPE
         if like.device.type == "cuda":
             torch.cuda.synchronize(like.device)  # a launch error surfaces here, not in the first step
 
@@ -76,10 +72,7 @@ class FlashInferLayerOps:
         return self._act.silu_and_mul(gate_up)
 
     def rope_batch(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
-        table = self._tables.get(id(rotary))
-        if table is None:
-            raise RuntimeError("FlashInferLayerOps.prepare(rotary) must run before the first forward")
-        return RopeBatch(positions, table)
+        return RopeBatch(positions, self._table)  # the table of the model these ops were built for
 
     def qk_rope(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

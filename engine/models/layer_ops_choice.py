@@ -52,8 +52,7 @@ def build(name: str, model: LlamaForCausalLM, fall_back: bool = False) -> LayerO
     from tandem.engine.models.flashinfer_ops import FlashInferLayerOps
 
     try:
-        ops = FlashInferLayerOps()
-        ops.prepare(model.rope)
+        ops = FlashInferLayerOps(model.rope)
         ops.warm_up(model.cfg.hidden_size, model.cfg.intermediate_size, model.layers[0].self_attn.heads,
                     model.embed_tokens.weight)
     except Exception as exc:  # an import, a JIT build or a launch: this machine cannot run them

@@ -16,6 +16,7 @@ on the stand-in and holds their logits to HF fp32 as closely as the torch ops in
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -30,13 +31,14 @@ IMPLS = ["torch", "cpu-kernels", "flashinfer-standin", pytest.param("flashinfer"
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request, monkeypatch) -> tuple[LayerOps, str]:
+def impl(request, monkeypatch) -> tuple[Callable[[RotaryEmbedding], LayerOps], str]:
+    """(build the implementation for a model whose RoPE is the argument, its device)."""
     name = request.param
     device = "cpu"
     if name == "cpu-kernels":
         if not cpu_kernels.enabled("layer_ops"):
             pytest.skip("the CPU kernels are not built on this machine")
-        return layer_ops.CpuKernelOps(), device
+        return lambda rotary: layer_ops.CpuKernelOps(), device
     if name == "flashinfer-standin":
         import fake_flashinfer
 
@@ -44,8 +46,8 @@ def impl(request, monkeypatch) -> tuple[LayerOps, str]:
     if name.startswith("flashinfer"):
         from tandem.engine.models.flashinfer_ops import FlashInferLayerOps
 
-        return FlashInferLayerOps(), "cuda" if name == "flashinfer" else device
-    return TORCH, device
+        return FlashInferLayerOps, "cuda" if name == "flashinfer" else device
+    return lambda rotary: TORCH, device
 
 
 def _dtypes(ops: LayerOps) -> list[torch.dtype]:
@@ -71,7 +73,8 @@ def _rope(dim: int, max_pos: int = 4096) -> RotaryEmbedding:
 
 
 def test_norms_and_silu(impl) -> None:
-    ops, device = impl
+    make, device = impl
+    ops = make(_rope(64).to(device))
     for dtype in _dtypes(ops):
         torch.manual_seed(0)
         x32, r32 = torch.randn(37, 1024, device=device) * 3, torch.randn(37, 1024, device=device)
@@ -96,10 +99,10 @@ def test_norms_and_silu(impl) -> None:
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
 @pytest.mark.parametrize("shape", [(16, 4, 64), (8, 8, 128), (16, 2, 256)])
 def test_qk_rope(impl, qk_norm: bool, shape: tuple[int, int, int]) -> None:
-    ops, device = impl
+    make, device = impl
     heads = Heads(*shape)
     rotary = _rope(heads.dim).to(device)
-    for dtype in _dtypes(ops):
+    for dtype in _dtypes(make(rotary)):
         torch.manual_seed(heads.q)
         qkv = torch.randn(29, (heads.q + 2 * heads.kv) * heads.dim, device=device).to(dtype)
         norms = [torch.randn(heads.dim, device=device).to(dtype) for _ in range(2)] if qk_norm else [None, None]
@@ -109,8 +112,7 @@ def test_qk_rope(impl, qk_norm: bool, shape: tuple[int, int, int]) -> None:
         # The model's tables are cast to its dtype at load, as HF casts its cos/sin.
         tables = copy.deepcopy(rotary).to(dtype)
         chain = TORCH.qk_rope(qkv, TORCH.rope_batch(tables, positions, dtype), heads, *norms, 1e-6)
-        if ops.name == "flashinfer":
-            ops.prepare(tables)  # type: ignore[attr-defined]
+        ops = make(tables)  # built for a model whose tables these are
         rows = qkv.clone()
         q, k, v = ops.qk_rope(rows, ops.rope_batch(tables, positions, dtype), heads, *norms, 1e-6)
         assert q.shape == (29, heads.q, heads.dim) and k.shape == v.shape == (29, heads.kv, heads.dim)
@@ -120,16 +122,6 @@ def test_qk_rope(impl, qk_norm: bool, shape: tuple[int, int, int]) -> None:
         assert v.data_ptr() == rows.data_ptr() + v_at * rows.element_size(), "v is a view of qkv"
         for got, want, c in zip((q, k), ref, chain):
             _no_worse(got, want, c)
-
-
-def test_flashinfer_ops_need_their_table_prepared(monkeypatch) -> None:
-    import fake_flashinfer
-
-    from tandem.engine.models.flashinfer_ops import FlashInferLayerOps
-
-    fake_flashinfer.install(monkeypatch)
-    with pytest.raises(RuntimeError, match="prepare"):
-        FlashInferLayerOps().rope_batch(_rope(64), torch.arange(3), torch.bfloat16)
 
 
 @pytest.mark.parametrize("arch", ["tiny", "tiny-llama", "tiny-qwen2"])
