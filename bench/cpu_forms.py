@@ -100,7 +100,7 @@ def _store_case(dtype: torch.dtype) -> Callable[[bool], Callable[[], object]]:
     loc = torch.randperm(4096 - 16)[:32] + 16
 
     def make(kernel: bool) -> Callable[[], object]:
-        pool._fused_store = kernel
+        pool._store = cpu_kernels.store_kv if kernel else None
         return lambda: pool.set_kv(0, loc, k, k)
     return make
 

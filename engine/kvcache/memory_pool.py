@@ -86,8 +86,9 @@ class TokenToKVPool:
         self.allocator = PageAllocator(num_pages, page_size, device)
         # One launch writes a layer's K and V: on CPU the fused kernel (two index_copy_ cost ~45 us
         # each at decode), on CUDA a Triton one (kv_store_triton.py).
-        self._fused_store = self.kv_buffer.device.type == "cpu" and cpu_kernels.enabled("store_kv")
-        self._triton_store = kv_store_triton.available(self.kv_buffer.device)
+        cpu = self.kv_buffer.device.type == "cpu"
+        self._store = (cpu_kernels.store_kv if cpu and cpu_kernels.enabled("store_kv")
+                       else kv_store_triton.store_kv if kv_store_triton.available(self.kv_buffer.device) else None)
 
     # ---- storage -----------------------------------------------------------------
     def k_buffer(self, layer: int) -> torch.Tensor:
@@ -97,12 +98,9 @@ class TokenToKVPool:
         return self.kv_buffer[layer, 1]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._fused_store and k.dtype == self.dtype and v.dtype == self.dtype and loc.dtype == torch.int64:
-            cpu_kernels.store_kv(self.kv_buffer[layer, 0], self.kv_buffer[layer, 1], loc.contiguous(), k, v)
-            return
-        if (self._triton_store and k.dtype == v.dtype == self.dtype and loc.dtype == torch.int64
+        if (self._store is not None and k.dtype == v.dtype == self.dtype and loc.dtype == torch.int64
                 and kv_store_triton.rows_are_dense(k) and kv_store_triton.rows_are_dense(v)):
-            kv_store_triton.store_kv(self.kv_buffer[layer, 0], self.kv_buffer[layer, 1], loc.contiguous(), k, v)
+            self._store(self.kv_buffer[layer, 0], self.kv_buffer[layer, 1], loc.contiguous(), k, v)
             return
         self.kv_buffer[layer, 0].index_copy_(0, loc, k.to(self.dtype))
         self.kv_buffer[layer, 1].index_copy_(0, loc, v.to(self.dtype))

@@ -259,8 +259,8 @@ def test_store_kv_matches_index_copy(dtype):
 
     torch.manual_seed(0)
     fused, plain = (TokenToKVPool(9, 16, 2, 4, 64, dtype, "cpu") for _ in range(2))
-    assert fused._fused_store
-    plain._fused_store = False
+    assert fused._store is cpu_kernels.store_kv
+    plain._store = None
     for pool in (fused, plain):
         pool.kv_buffer.zero_()  # torch.empty: compare written slots only against zeros elsewhere
     for tokens in (1, 64, 120):  # one decode token, a decode batch, a prefill chunk
