@@ -35,7 +35,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, runner_ctx: object) -> None:
         # runner_ctx exposes: req_to_token_pool, kv_pool, device, num_heads,
-        # num_kv_heads, head_dim, scaling, dtype, page_size.
+        # num_kv_heads, head_dim, scaling, dtype, page_size, config (its RunnerConfig).
         self.ctx = runner_ctx
 
     @abstractmethod

@@ -73,10 +73,8 @@ def decode_tensor_cores(ctx: object) -> bool:
     per request) or the CUDA-core decode kernel. The tensor-core one wins once several query
     heads share a KV head (SGLang's rule: 4 or more); `decode_tensor_cores` in the runner's
     config overrides it, to measure both (bench/gpu_decode.py --engine-arg)."""
-    forced = getattr(getattr(ctx, "config", None), "decode_tensor_cores", None)
-    if forced is not None:
-        return bool(forced)
-    return ctx.num_heads // ctx.num_kv_heads >= 4  # type: ignore[attr-defined]
+    forced = ctx.config.decode_tensor_cores  # type: ignore[attr-defined]
+    return forced if forced is not None else ctx.num_heads // ctx.num_kv_heads >= 4  # type: ignore[attr-defined]
 
 
 class FlashInferAttentionBackend(AttentionBackend):

@@ -16,6 +16,7 @@ from tandem.engine.attention import create_backend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.model_config import RunnerConfig
 
 HEADS, KV_HEADS, DIM = 8, 2, 64  # a head_dim every backend runs (FlashInfer has no 32)
 
@@ -48,7 +49,7 @@ def _ctx(device: str, page_size: int, dtype: torch.dtype) -> SimpleNamespace:
         req_to_token_pool=ReqToTokenPool(8, 256, device),
         kv_pool=TokenToKVPool(512 // page_size + 1, page_size, 1, KV_HEADS, DIM, dtype, device),
         device=torch.device(device), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-        scaling=DIM**-0.5, dtype=dtype, page_size=page_size,
+        scaling=DIM**-0.5, dtype=dtype, page_size=page_size, config=RunnerConfig(),
     )
 
 

@@ -16,6 +16,7 @@ from tandem.engine.attention import flashinfer_backend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.model_config import RunnerConfig
 
 BF16, I32 = torch.bfloat16, torch.int32
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 64
@@ -181,7 +182,7 @@ def _backend_steps() -> Callable[[list[int]], torch.Tensor]:
         req_to_token_pool=ReqToTokenPool(4, 64, "cpu"), kv_pool=TokenToKVPool(64 // PAGE + 1, PAGE, 1, KV_HEADS,
                                                                            DIM, BF16, "cpu"),
         device=torch.device("cpu"), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scaling=DIM**-0.5,
-        dtype=BF16, page_size=PAGE)
+        dtype=BF16, page_size=PAGE, config=RunnerConfig())
     backend = flashinfer_backend.FlashInferAttentionBackend(ctx)
     rows, lens, slots = ctx.req_to_token_pool.alloc(2), [6, 11], []
     for row, n in zip(rows, lens):

@@ -168,7 +168,7 @@ def test_flashinfer_gets_a_zeroed_workspace(monkeypatch) -> None:
     from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
     fake_flashinfer.install(monkeypatch)
-    ctx = SimpleNamespace(device=torch.device("cpu"), num_heads=8, num_kv_heads=2)
+    ctx = SimpleNamespace(device=torch.device("cpu"), num_heads=8, num_kv_heads=2, config=RunnerConfig())
     empty = torch.empty
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(0xA5))
