@@ -11,7 +11,6 @@ import pytest
 # Two cores: oversubscribed OpenMP threads spin and stall, so tests stay at the core count.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-PROCESS_FILES = "TANDEM_TEST_PROCESS_FILES"  # read by tests/support's process helpers
 ARCH_PRESETS = {"qwen3": "tiny", "llama": "tiny-llama", "qwen2": "tiny-qwen2"}
 
 
@@ -19,6 +18,8 @@ ARCH_PRESETS = {"qwen3": "tiny", "llama": "tiny-llama", "qwen2": "tiny-qwen2"}
 def _process_files(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The logs and run dirs of the processes tests start (tests/support: worker_process.py,
     up_stack.py) go under pytest's own temp dir, which it prunes to the last three runs."""
+    from worker_process import PROCESS_FILES
+
     os.environ[PROCESS_FILES] = str(tmp_path_factory.mktemp("processes"))
 
 

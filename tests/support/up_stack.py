@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 from waits import wait_until
-from worker_process import free_port
+from worker_process import PROCESS_FILES, free_port
 
 SMALL = "--max-total-tokens 16384"
 
@@ -49,7 +49,7 @@ class Stack:
     def __init__(self, model: Path, *flags: str, name: str = "tiny") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-up-test-", dir=os.environ.get("TANDEM_TEST_PROCESS_FILES")))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-up-test-", dir=os.environ.get(PROCESS_FILES)))
         self.log = open(self.run_dir / "up.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "up", "--model", str(model), "--served-model-name", name,

@@ -21,6 +21,10 @@ from tandem import worker_contract as contract
 from tandem.local.plan import free_port
 from tandem.pd.secret import new_pd_secret
 
+# Where the logs and run dirs of the processes tests start go: tests/conftest.py points it at
+# pytest's own temp dir, which pytest prunes to the last three runs.
+PROCESS_FILES = "TANDEM_TEST_PROCESS_FILES"
+
 # Every worker a test starts shares one PD secret (the control channel runs CURVE, as in a
 # cluster); env={ENV_PD_SECRET: ""} starts one without.
 PD_SECRET = new_pd_secret()
@@ -60,7 +64,7 @@ class Worker:
         self.api_key = api_key
         self.bootstrap: int | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="tandem-serve-", suffix=".log", delete=False,
-                                               dir=os.environ.get("TANDEM_TEST_PROCESS_FILES"))  # tests/conftest.py
+                                               dir=os.environ.get(PROCESS_FILES))
         cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port),
                "--admin-port", self.admin_url.rsplit(":", 1)[1]]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
