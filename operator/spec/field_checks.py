@@ -25,3 +25,10 @@ def _num(value: Any, where: str, errors: list[str]) -> float:
         errors.append(f"{where} must be a positive number, got {value!r}")
         return 1.0
     return float(value)
+
+
+def _choice(value: Any, choices: tuple[str, ...], where: str, errors: list[str]) -> str | None:
+    if value is None or value in choices:
+        return value
+    errors.append(f"{where} must be one of {list(choices)}, got {str(value)[:64]!r}")
+    return None

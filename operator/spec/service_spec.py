@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.spec.model_source import ModelSource, parse_model
 from tandem.operator.spec.schema_defaults import default_spec
 from tandem.operator.spec.secret_ref import SecretKeyRef, parse_secret_ref
 from tandem.operator.spec.sections import (
     AutoscalingSpec,
     KvTransfer,
-    ModelSource,
     RoleSpec,
     Rollout,
     SloSpec,
@@ -26,7 +26,6 @@ from tandem.operator.spec.sections import (
     parse_autoscaling,
     parse_engine_args,
     parse_kv,
-    parse_model,
     parse_role,
     parse_rollout,
     parse_slo,
