@@ -9,17 +9,13 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from operator_support import KUBE_VERSIONS, by_kind, kube_validate, render
+from operator_support import KUBE_VERSIONS, by_kind, container, kube_validate, render
 
 from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.reconcile import desired_replicas, reconcile
 from tandem.operator.scaling import role_scaler
 from tandem.operator.spec.service_spec import SpecError, parse_service
-
-
-def container(child: dict[str, Any]) -> dict[str, Any]:
-    return child["spec"]["template"]["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -84,20 +80,6 @@ def test_worker_contract(minimal_cr: dict[str, Any]) -> None:
     items = next(v for v in prefill["spec"]["template"]["spec"]["volumes"] if v["name"] == "engine-config")
     assert items["configMap"]["items"] == [{"key": "prefill.yaml", "path": "engine.yaml"}]
     assert prefill["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
-
-
-def test_the_models_parsers_reach_every_workers_command_line(minimal_cr: dict[str, Any]) -> None:
-    """spec.model.toolCallParser / reasoningParser: the worker fronts parse chat answers (also in
-    PD, where the decode worker streams them), so each worker role gets the flags."""
-    cr = copy.deepcopy(minimal_cr)
-    cr["spec"]["model"].update(toolCallParser="hermes", reasoningParser="qwen3")
-    kids = by_kind(render(cr))
-    for role in ("prefill", "decode"):
-        command = container(kids[("Deployment", f"llama3-8b-{role}")])["command"]
-        assert command[command.index("--tool-call-parser") + 1] == "hermes"
-        assert command[command.index("--reasoning-parser") + 1] == "qwen3"
-    plain = container(by_kind(render(minimal_cr))[("Deployment", "llama3-8b-decode")])["command"]
-    assert "--tool-call-parser" not in plain and "--reasoning-parser" not in plain
 
 
 def test_router_contract_and_rbac(minimal_cr: dict[str, Any]) -> None:
@@ -245,11 +227,6 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "ports overlap": ({"kvTransfer": {"portBase": 7990, "portCount": 20}}, "overlaps"),
     "unknown engine arg": ({"engine": {"pageSzie": 16}}, "unknown fields"),
     "both rollout zero": ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0"),
-    # the schema's enum stops these at the API server; reconcile refuses them too (an older CRD)
-    "unknown tool parser": ({"model": {"servedName": "m", "hostPath": {"path": "/m"}, "toolCallParser": "x"}},
-                            "spec.model.toolCallParser must be one of"),
-    "unknown reasoning parser": ({"model": {"servedName": "m", "hostPath": {"path": "/m"}, "reasoningParser": 7}},
-                                 "spec.model.reasoningParser must be one of"),
 }
 
 

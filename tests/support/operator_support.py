@@ -69,6 +69,11 @@ def by_kind(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, A
     return {(c["kind"], short_name(c)): c for c in children}
 
 
+def container(child: dict[str, Any]) -> dict[str, Any]:
+    """The first container of a Deployment (or any pod-template child)."""
+    return child["spec"]["template"]["spec"]["containers"][0]
+
+
 def render_chart(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Every document the chart renders with these values (release tandem, namespace tandem-system)."""
     files = chart.render(values, name="tandem", namespace="tandem-system")
