@@ -286,10 +286,7 @@ class Scheduler:
             self.prefill.runnable() or self.decode.runnable())
 
     def run(self) -> None:
-        # Under inference mode: the loop writes in place into tensors that may have been made
-        # under it (an Engine built inside a caller's `torch.inference_mode()` makes its pools
-        # inference tensors, which an update outside inference mode refuses), and no step
-        # needs autograd's version counters.
+        # An Engine built inside a caller's inference_mode has pools only inference mode may update.
         try:
             with torch.inference_mode():
                 if self.overlap is not None:
