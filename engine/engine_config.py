@@ -96,6 +96,9 @@ class EngineConfig:
                 raise ValueError(f"dist_init_addr must be host:port with a port in 1024..{65535 - self.dp_size}")
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must be >= 0")
+        if self.decode_tensor_cores is not None and not isinstance(self.decode_tensor_cores, bool):
+            # a quoted "false" in an engine YAML would otherwise read as true
+            raise ValueError(f"decode_tensor_cores must be true, false or null, got {self.decode_tensor_cores!r}")
         if self.schedule_conservativeness <= 0:
             raise ValueError("schedule_conservativeness must be > 0")
         from tandem.engine.grammar.registry import BACKENDS  # torch-free at import: a dict of factories

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import pytest
+
 from tandem.engine.engine_config import EngineConfig
 from tandem.server.config import add_engine_arguments
 
@@ -34,3 +36,11 @@ def test_a_switch_that_defaults_to_a_decision_can_be_set_either_way() -> None:
     assert plain == {"disable_radix_cache": True, "layer_ops": "torch"}
     cfg = EngineConfig.from_kwargs(**_parse("--no-decode-tensor-cores"))
     assert cfg.runner_config().decode_tensor_cores is False
+
+
+def test_a_switch_given_anything_but_a_boolean_is_refused() -> None:
+    """From an engine YAML (engine.extra in the CR) a quoted "false" would have read as true."""
+    for bad in ("false", 0, "yes"):
+        with pytest.raises(ValueError, match="decode_tensor_cores must be true, false or null"):
+            EngineConfig.from_kwargs(decode_tensor_cores=bad)
+    assert EngineConfig.from_kwargs(decode_tensor_cores=None).decode_tensor_cores is None
