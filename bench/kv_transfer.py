@@ -6,6 +6,7 @@ a GPU (`--device cuda`, both processes on one GPU, VRAM to VRAM) against a devic
     python bench/kv_transfer.py --tokens 1024 --scattered   # 1k tokens, pages scattered
     python bench/kv_transfer.py --device cuda               # -> docs/results/kv_transfer_cuda.json
     python bench/kv_transfer.py --decode-heads 0:2          # to a TP rank holding half the KV heads
+    python bench/kv_transfer.py --decode-heads 0:2 --staged # the same, gathered into whole pages first
 
 The KV layout is the `small` model's (12 layers, 4 KV heads, head_dim 64, bf16) with
 page size 16. One send moves a whole prompt: every layer's K and V of tokens/16 pages,
@@ -13,7 +14,10 @@ consecutive (as a fresh allocation usually is) or scattered (`--scattered`). The
 copies the same number of bytes between two tensors of this process: on CPU `memcpy` on one
 thread (what memcpy(3) does, and what NIXL's one UCX worker competes with), and torch's
 copy on all threads (2 here) for reference; on CUDA one `copy_` between two device tensors,
-synchronised, for both columns. Result: docs/results/kv_transfer[_scattered][_cuda].json.
+synchronised, for both columns. With --decode-heads each token's slice is its own descriptor;
+--staged gathers the slice into the sender's staging buffer first (prefill/staging.py, as a
+TP 1 prefill sends to a TP 2 decode), and the gather's time counts as the send's.
+Result: docs/results/kv_transfer[_scattered][_heads[_staged]][_cuda].json.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.pd.transfer.nixl_agent import NixlTransfer
+from tandem.prefill.staging import SliceStaging, staging_bytes
 from tandem.protocol.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,9 +76,13 @@ def main() -> None:
     p.add_argument("--decode-heads", default=None, metavar="LO:HI",
                    help="the receiver holds only KV heads [LO, HI) of 4, as a decode TP rank whose TP size "
                         "differs from prefill's: each token's slice is its own descriptor (docs/tp.md)")
+    p.add_argument("--staged", action="store_true", help="with --decode-heads: gather each send's slice into "
+                   "whole pages of a staging buffer first, as the prefill role does (prefill/staging.py)")
     p.add_argument("--out", default=None, help="default docs/results/kv_transfer[_scattered][_heads][_cuda].json")
     args = p.parse_args()
     heads = tuple(int(x) for x in args.decode_heads.split(":")) if args.decode_heads else None
+    if args.staged and heads is None:
+        p.error("--staged needs --decode-heads")
     cuda = args.device == "cuda"
     n = args.tokens // SHAPE["page_size"]
     num_pages = 8 * n + 1
@@ -90,6 +99,7 @@ def main() -> None:
     here.send((meta, src.layout().to_dict()))
     rng = random.Random(0)
     layout = src.layout()
+    staging = SliceStaging(src, t, staging_bytes(layout, args.tokens)) if args.staged else None
     nbytes = n * layout.page_bytes * 2 * layout.num_layers
     if heads is not None:  # only the receiver's share of every page moves
         nbytes = nbytes * (heads[1] - heads[0]) // SHAPE["num_kv_heads"]
@@ -103,15 +113,21 @@ def main() -> None:
         s, d = rng.randrange(1, num_pages - n), rng.randrange(1, num_pages - n)
         return list(range(s, s + n)), list(range(d, d + n))
 
-    def nixl_round() -> float:
+    def nixl_round(staged: bool = args.staged, sends: int = args.sends) -> float:
         t0 = time.perf_counter()
-        for i in range(args.sends):
+        for i in range(sends):
             sp, dp = pages()
-            t.send(peer, f"r{i}", sp, dp, b"", heads=heads)
+            source = staging.stage(f"r{i}", sp, heads) if staged else None
+            if staged:
+                assert source is not None, "the staging buffer is too small"
+                sp = list(range(1, n + 1))
+            t.send(peer, f"r{i}", sp, dp, b"", heads=heads, source=source)
             while not (ev := t.poll()).sent:
                 pass
             assert ev.sent[0].ok, ev.sent
-        return args.sends * nbytes / (time.perf_counter() - t0)
+            if staged:
+                staging.release(f"r{i}")
+        return sends * nbytes / (time.perf_counter() - t0)
 
     def memcpy_round(threads: int) -> float:
         before = torch.get_num_threads()
@@ -134,6 +150,9 @@ def main() -> None:
             x, y, z = nixl_round(), memcpy_round(1), memcpy_round(all_threads)
             rows.append({"round": r, "nixl_GBps": x / 1e9, "memcpy_GBps": y / 1e9, "copy_all_threads_GBps": z / 1e9,
                          "ratio": x / y, "ratio_all_threads": x / z})
+            if args.staged:  # the same slices sent where they lie, in the same round (a few sends: they are slow)
+                w = nixl_round(staged=False, sends=max(1, args.sends // 10))
+                rows[-1] |= {"slices_GBps": w / 1e9, "staged_over_slices": x / w}
             print(json.dumps({k: round(v, 3) for k, v in rows[-1].items()}), flush=True)
     finally:
         here.send("stop")
@@ -141,15 +160,21 @@ def main() -> None:
         proc.join(30)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
               "tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered, "decode_heads": heads,
+              "staged": args.staged,
               "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0], "rounds": rows,
               "median_ratio": statistics.median(r["ratio"] for r in rows),
               "median_ratio_all_threads": statistics.median(r["ratio_all_threads"] for r in rows)}
-    tag = f"{'_scattered' if args.scattered else ''}{'_heads' if heads else ''}{'_cuda' if cuda else ''}"
+    if args.staged:
+        result["median_staged_over_slices"] = statistics.median(r["staged_over_slices"] for r in rows)
+    tag = (f"{'_scattered' if args.scattered else ''}{'_heads' if heads else ''}{'_staged' if args.staged else ''}"
+           f"{'_cuda' if cuda else ''}")
     out = Path(args.out) if args.out else ROOT / f"docs/results/kv_transfer{tag}.json"
     out.write_text(json.dumps(result, indent=1))
     base = "device copy" if cuda else "memcpy"
     print(f"NIXL / {base} bandwidth, median of {args.rounds} rounds: {result['median_ratio']:.2f} "
           f"(vs torch's {all_threads}-thread copy: {result['median_ratio_all_threads']:.2f}) -> {out}")
+    if args.staged:
+        print(f"staged / the same slices sent as they lie: {result['median_staged_over_slices']:.1f}x")
 
 
 if __name__ == "__main__":

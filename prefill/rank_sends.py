@@ -2,39 +2,103 @@
 
 A chunk (one key, "room:chunk") is the same on every rank; its writes are this rank's share
 of head_map's plan: one per decode rank it writes (several from TP 1 into TP 2, none from a
-rank whose replicated heads another rank writes). A chunk is done here once all its writes
-are reported, failed if one failed or was refused, and done for the sender once every rank
-says so (tandem/pd/agree.py): only then may its source pages be freed.
+rank whose replicated heads another rank writes). A `gather` write is packed into staged
+whole pages first (prefill/staging.py); when the staging buffer is busy it waits, in order,
+for earlier chunks' writes to be reported. A chunk is done here once all its writes are
+reported, failed if one failed or was refused (its staging is free from then on), and done
+for the sender once every rank says so (tandem/pd/agree.py): only then may its source pages
+be freed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tandem.pd.agree import Agreement, Report
+from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import KVTransfer
+from tandem.pd.transfer.head_map import Write
+from tandem.prefill.staging import SliceStaging
+from tandem.protocol.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Send:
+    """One write of one chunk: to the agent of decode rank `write.decode`."""
+
+    key: str
+    agent: str | None
+    write: Write
+    src: Sequence[int]
+    dst: Sequence[int]
+    notify: bytes
+    slot: tuple[int, int] | None
 
 
 class RankSends:
-    def __init__(self, transfer: KVTransfer, agree: Agreement) -> None:
-        self.transfer, self.agree = transfer, agree
-        self.open: dict[str, list] = {}  # key -> [writes not reported yet, the first error]
+    def __init__(self, transfer: KVTransfer, agree: Agreement, staging: SliceStaging) -> None:
+        self.transfer, self.agree, self.staging = transfer, agree, staging
+        self.open: dict[str, list] = {}  # key -> [writes started or waiting, not reported yet; the first error]
+        self.waiting: deque[Send] = deque()  # gather writes waiting for staging room, oldest first
         self.local: list[Report] = []  # done on this rank, not yet exchanged
+        self.stats = {"unstaged_sends": 0, "waited_for_staging": 0}
 
-    def start(self, key: str, writes: Sequence[Callable[[], None]]) -> None:
-        """Start the chunk's writes; one refused ends the chunk (failed) once those started report."""
-        started, error = 0, ""
-        for write in writes:
-            try:
-                write()
-            except (KeyError, ValueError) as exc:
-                error = f"KV send refused: {exc}"
+    def start(self, key: str, link: Link, src: Sequence[int], dst: Sequence[int], notify: bytes,
+              slot: tuple[int, int] | None) -> None:
+        """Start the chunk's writes: every decode rank this rank writes gets its heads of the
+        pages, and the plan's one write per decode rank that carries the first token takes the
+        slot. One refused ends the chunk (failed) once those started report."""
+        entry = self.open[key] = [0, ""]
+        for w in link.writes:
+            one = Send(key, link.agents.get(w.decode), w, src, dst, notify, slot if w.slot else None)
+            if w.gather and self.staging.fits(len(src), w.heads):
+                self.waiting.append(one)
+                entry[0] += 1
+                continue
+            self.stats["unstaged_sends"] += w.gather
+            if not self._send(one):
                 break
-            started += 1
-        if started:
-            self.open[key] = [started, error]
-        else:
-            self.local.append((key, error))
+        self._drain()
+        self.stats["waited_for_staging"] += sum(one.key == key for one in self.waiting)
+        self._settle(key)
+
+    def _send(self, one: Send, source: KVLayout | None = None) -> bool:
+        entry = self.open[one.key]
+        pages = range(1, len(one.src) + 1) if source is not None else one.src
+        try:
+            if one.agent is None:
+                raise KeyError(f"no agent for decode rank {one.write.decode}")
+            self.transfer.send(one.agent, one.key, pages, one.dst, one.notify, slot=one.slot,
+                               heads=one.write.heads, source=source)
+        except (KeyError, ValueError) as exc:
+            entry[1] = entry[1] or f"KV send refused: {exc}"
+            return False
+        entry[0] += 1
+        return True
+
+    def _drain(self) -> None:
+        """Stage and start waiting writes, in order, while the buffer has room; a chunk that
+        failed already drops its waiting writes."""
+        while self.waiting:
+            one = self.waiting[0]
+            entry = self.open[one.key]
+            source = None if entry[1] else self.staging.stage(one.key, one.src, one.write.heads)
+            if source is None and not entry[1]:
+                return
+            self.waiting.popleft()
+            entry[0] -= 1
+            if source is not None:
+                self._send(one, source)
+            self._settle(one.key)
+
+    def _settle(self, key: str) -> None:
+        entry = self.open.get(key)
+        if entry is not None and entry[0] == 0:
+            del self.open[key]
+            self.staging.release(key)  # nothing of this chunk is read any more
+            self.local.append((key, entry[1]))
 
     def poll(self) -> list[Report]:
         """The chunks every rank has now seen done: (key, "" or why it failed)."""
@@ -45,8 +109,7 @@ class RankSends:
             entry[0] -= 1
             if not sent.ok:
                 entry[1] = entry[1] or f"KV transfer failed: {sent.error}"
-            if entry[0] == 0:
-                self.local.append((sent.room, entry[1]))
-                del self.open[sent.room]
+            self._settle(sent.room)
+        self._drain()  # reported chunks freed their staging
         local, self.local = self.local, []
         return self.agree.done(local)

@@ -34,6 +34,7 @@ from tandem.pd.parts import Link, TransferParts, refused
 from tandem.pd.tick_codec import TICK_CODEC
 from tandem.prefill.outgoing import Early, Outgoing, Phase
 from tandem.prefill.rank_sends import RankSends
+from tandem.prefill.staging import SliceStaging, staging_bytes
 from tandem.protocol.messages import GenerateReq
 
 if TYPE_CHECKING:
@@ -56,7 +57,9 @@ class PrefillSender:
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, Link] = {}  # decode name -> the agents of its ranks this rank writes
-        self.sends = RankSends(self.transfer, Agreement(sched.tp))
+        chunk = self.cfg.chunk_size or self.cfg.max_prefill_tokens
+        self.staging = SliceStaging(sched.runner.kv_pool, self.transfer, staging_bytes(self.layout, chunk))
+        self.sends = RankSends(self.transfer, Agreement(sched.tp), self.staging)
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, Early] = {}
@@ -198,12 +201,7 @@ class PrefillSender:
             return
         og.chunks += 1
         note = pd.notify(og.room, og.chunks, og.chunks if last else None)
-        # Every decode rank this rank writes gets its heads of the pages; the plan's one write
-        # per decode rank that carries the first token takes the slot.
-        self.sends.start(f"{og.room}:{og.chunks}", [
-            lambda w=w: self.transfer.send(link.agents[w.decode], f"{og.room}:{og.chunks}", src, dst, note,
-                                           slot=slot if w.slot else None, heads=w.heads)
-            for w in link.writes])
+        self.sends.start(f"{og.room}:{og.chunks}", link, src, dst, note, slot)
         og.in_flight += 1
         og.sent_upto = upto
         self.stats["sends"] += 1
@@ -293,9 +291,12 @@ class PrefillSender:
     def status(self) -> dict[str, Any]:
         return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
                 "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, "control_alive": self.channel.alive(),
-                "control_dropped": self.channel.dropped.count, **self.stats}
+                "control_dropped": self.channel.dropped.count, **self.stats, **self.staging.stats,
+                **self.sends.stats}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
-        assert not self.sends.open and not len(self.sends.agree), "chunk sends unreported while idle"
+        assert not self.sends.open and not self.sends.waiting and not len(self.sends.agree), \
+            "chunk sends unreported while idle"
+        self.staging.check_integrity()
         self.slots.check_integrity(in_use=0)

@@ -55,6 +55,8 @@ def test_every_decode_head_is_written_exactly_once_by_a_holder(setup: tuple[int,
             assert w.heads[0] < w.heads[1] and src[0] <= w.heads[0] and w.heads[1] <= src[1]
             # the writer is the lowest prefill rank holding the heads
             assert not any(p.heads[0] <= w.heads[0] < p.heads[1] for p in prefill[: w.prefill])
+            # staged exactly when the decode side is whole pages and the prefill side is not
+            assert w.gather == (w.heads == lay.heads != src)
         assert sum(w.slot for w in mine) == 1
         assert next(w for w in mine if w.slot).prefill == min(w.prefill for w in mine)
         alone = plan_writes(prefill, [lay])  # what a prefill rank plans from one decode rank's Hello
@@ -62,13 +64,15 @@ def test_every_decode_head_is_written_exactly_once_by_a_holder(setup: tuple[int,
 
 
 def test_the_plans_the_module_docstring_names() -> None:
-    assert plan_writes(ranks(4, 1), ranks(4, 2)) == [Write(0, 0, (0, 2), True), Write(0, 1, (2, 4), True)]
+    assert plan_writes(ranks(4, 1), ranks(4, 2)) == [Write(0, 0, (0, 2), True, gather=True),
+                                                     Write(0, 1, (2, 4), True, gather=True)]
     assert plan_writes(ranks(4, 2), ranks(4, 1)) == [Write(0, 0, (0, 2), True), Write(1, 0, (2, 4), False)]
     assert plan_writes(ranks(4, 2), ranks(4, 2)) == [Write(0, 0, (0, 2), True), Write(1, 1, (2, 4), True)]
     # replicated on prefill (H=2, TP=4): ranks 0 and 2 hold heads 0 and 1 first; 1 and 3 write nothing
     assert plan_writes(ranks(2, 4), ranks(2, 1)) == [Write(0, 0, (0, 1), True), Write(2, 0, (1, 2), False)]
     # replicated on decode: each copy of a head is written
-    assert plan_writes(ranks(2, 1), ranks(2, 4)) == [Write(0, d, (d // 2, d // 2 + 1), True) for d in range(4)]
+    assert plan_writes(ranks(2, 1), ranks(2, 4)) == [Write(0, d, (d // 2, d // 2 + 1), True, gather=True)
+                                                     for d in range(4)]
 
 
 def test_layouts_that_are_not_one_models_split_are_refused() -> None:

@@ -24,6 +24,7 @@ from tandem.pd.transfer.contract import Events
 from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.pd.transfer.head_map import plan_writes, shard_heads
 from tandem.pd.transfer.pages import descriptors
+from tandem.prefill.staging import SliceStaging, staging_bytes
 from tandem.protocol.kv_layout import KVLayout
 
 LAYERS, PAGE, DIM, SRC_PAGES, DST_PAGES = 3, 4, 8, 16, 24
@@ -36,12 +37,12 @@ class Rank:
                  device: str = "cpu") -> None:
         self.h0, self.h1 = shard_heads(total, tp, rank)
         self.pool = TokenToKVPool(num_pages=num_pages, page_size=PAGE, num_layers=LAYERS,
-                                  num_kv_heads=self.h1 - self.h0, head_dim=DIM, dtype=torch.bfloat16, device=device)
+                                  num_kv_heads=self.h1 - self.h0, head_dim=DIM, dtype=torch.bfloat16, device=device,
+                                  heads=(self.h0, self.h1), total_kv_heads=total)
         self.pool.kv_buffer.zero_()
         if ref is not None:  # (layers, 2, slots, heads, dim): this rank's share of the model's KV
             self.pool.kv_buffer.copy_(ref[:, :, :, self.h0 : self.h1])
-        # The engine's layout() will say this itself once it shards; until then the test does.
-        self.layout = dataclasses.replace(self.pool.layout(), head_start=self.h0, total_kv_heads=total)
+        self.layout = self.pool.layout()
 
 
 def reference(total: int) -> torch.Tensor:
@@ -121,12 +122,16 @@ def _nixl() -> None:
         pytest.skip("NIXL is not installed")
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["slices", "staged"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("total, tp_p, tp_d", [
     (4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (2, 4, 1), (2, 1, 4), (2, 2, 4), (4, 2, 2),
 ])
-def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: int, tp_d: int, device: str) -> None:
-    """On host memory, or VRAM to VRAM on one GPU (every rank's pool on it)."""
+def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: int, tp_d: int, device: str,
+                                                              staged: bool) -> None:
+    """On host memory, or VRAM to VRAM on one GPU (every rank's pool on it). `staged`: the
+    plan's gather writes go through the sender's staging buffer (prefill/staging.py), as the
+    prefill role sends them."""
     ref = reference(total)
     pre = [Rank(total, tp_p, r, SRC_PAGES, ref, device) for r in range(tp_p)]
     dec = [Rank(total, tp_d, r, DST_PAGES, device=device) for r in range(tp_d)]
@@ -134,9 +139,10 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
     dec_slots = [FirstTokenSlots(8, device=device) for _ in dec]
     for p, s in enumerate(pre_slots):  # each prefill rank's own token: the decode slot says who wrote it
         s.write(1, 100 + p, -0.5, [])
-    tag = f"{total}{tp_p}{tp_d}{device}"
+    tag = f"{total}{tp_p}{tp_d}{device}{int(staged)}"
     pa = [nixl_agent.NixlTransfer(f"tp{tag}-p{r}") for r in range(tp_p)]
     da = [nixl_agent.NixlTransfer(f"tp{tag}-d{r}") for r in range(tp_d)]
+    stagers = [SliceStaging(r.pool, a, staging_bytes(r.layout, 4 * PAGE) * tp_d) for r, a in zip(pre, pa)]
     try:
         pmeta = [a.register(r.layout, s.region()) for a, r, s in zip(pa, pre, pre_slots)]
         dmeta = [a.register(r.layout, s.region()) for a, r, s in zip(da, dec, dec_slots)]
@@ -144,8 +150,10 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
         for w in writes:
             peer = pa[w.prefill].add_peer(dmeta[w.decode], dec[w.decode].layout, dec_slots[w.decode].region())
             da[w.decode].add_peer(pmeta[w.prefill], pre[w.prefill].layout, pre_slots[w.prefill].region())
-            pa[w.prefill].send(peer, "r1", SRC_IDS, DST_IDS, f"r1/{w.prefill}".encode(),
-                               slot=(1, 5) if w.slot else None, heads=w.heads)
+            source = stagers[w.prefill].stage("r1", SRC_IDS, w.heads) if staged and w.gather else None
+            pa[w.prefill].send(peer, "r1", range(1, len(SRC_IDS) + 1) if source else SRC_IDS, DST_IDS,
+                               f"r1/{w.prefill}".encode(), slot=(1, 5) if w.slot else None, heads=w.heads,
+                               source=source)
         events = {id(a): Events() for a in (*pa, *da)}
 
         def all_in() -> bool:
@@ -167,6 +175,10 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
             assert dec_slots[d].read(5)[0] == 100 + min(writers)  # one writer: the lowest prefill rank
         moved = LAYERS * 2 * len(SRC_IDS) * PAGE * DIM * 2 * sum(w.heads[1] - w.heads[0] for w in writes)
         assert sum(a.bytes_sent for a in pa) == moved
+        assert sum(s.stats["staged_sends"] for s in stagers) == (sum(w.gather for w in writes) if staged else 0)
+        for s in stagers:
+            s.release("r1")
+            s.check_integrity()
     finally:
         for a in (*pa, *da):
             a.close()
@@ -184,6 +196,17 @@ def test_a_peer_of_another_tp_size_pairs_but_not_one_of_another_model() -> None:
             a.send(peer, "r", [1], [1], b"r")  # the default: all four of the peer's heads
         with pytest.raises(ValueError, match="a send of nothing"):
             a.send(peer, "r", [], [], b"r", heads=(0, 2))
+        # A send reads from a staged layout only inside a registered staging buffer.
+        buf = torch.empty(mine.layout.total_bytes, dtype=torch.uint8)
+        staged = dataclasses.replace(mine.layout, base_ptr=buf.data_ptr())
+        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
+            a.send(peer, "r", [1], [1], b"r", heads=(0, 2), source=staged)
+        a.add_staging(buf.data_ptr(), buf.numel() - 1)
+        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
+            a.send(peer, "r", [1], [1], b"r", heads=(0, 2), source=staged)  # one byte past its end
+        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
+            a.send(peer, "r", [1], [1], b"r", heads=(0, 2),
+                   source=dataclasses.replace(staged, num_pages=2, mem_type="VRAM"))
         assert not a.pending
     finally:
         a.close()

@@ -1,6 +1,7 @@
 """PD between tensor-parallel workers (issue 29): a TP=2 prefill feeding a TP=2 decode (each
 prefill rank writes its decode twin's heads) and a TP=1 decode (both prefill ranks write
-halves of its heads), and a TP=1 prefill feeding the TP=2 decode (its one rank writes both),
+halves of its heads), and a TP=1 prefill feeding the TP=2 decode (its one rank writes both, each half staged
+into whole pages first: prefill/staging.py),
 token-identical to the offline TP=1 Engine, every rank's pool whole on both sides after
 each test. A cancel mid-transfer crosses both TP groups' ticks and frees every rank's pages;
 a TP decode killed mid-stream is found dead (through the TP prefill's tick). The TP workers run
@@ -83,8 +84,13 @@ def test_tp2_prefill_to_tp1_decode_matches_one_rank(stack, want) -> None:
 
 def test_tp1_prefill_to_tp2_decode_matches_one_rank(stack, want) -> None:
     _, dec2, _, pre1 = stack
+    staged = pd_stats(pre1)[0]["staged_sends"]
     assert _generate(pre1, dec2) == want
-    assert pd_stats(pre1)[0]["failed"] == 0
+    stats = pd_stats(pre1)[0]
+    assert stats["failed"] == 0
+    # Each send's half for each decode rank went through the staging buffer, none as slices
+    # (how many sends: decode may hold prompt prefixes from the tests before).
+    assert stats["staged_sends"] - staged >= 2 * len(PROMPTS) and stats["unstaged_sends"] == 0
 
 
 def test_abort_while_transferring_frees_every_ranks_pages(stack) -> None:

@@ -10,6 +10,8 @@ same contract test over each.
     peer = t.add_peer(peer_meta, peer_layout, peer_slots)  # once per peer; checks layouts match
     t.send(peer, room, src_pages, dst_pages, notify, slot=(src, dst), heads=(h0, h1))  # starts the WRITEs
     t.poll()                                  # -> Events: finished sends, notifications received
+    t.add_staging(addr, nbytes)               # more local memory sends may read (source=)
+    t.send(peer, room, staged_pages, dst_pages, notify, heads=(h0, h1), source=staged_layout)
 
 Side effects the callers rely on:
 - `send` moves every layer's K and V of each source page into the matching destination
@@ -25,6 +27,10 @@ Side effects the callers rely on:
   send per (room, decode rank): the plan's `Write.slot` one (the lowest prefill rank writing
   that decode rank); the others pass slot=None. Notifications are per sender: a decode rank
   written by several prefill ranks has all of a room's bytes once each of them has notified.
+- Staging: `add_staging` registers more memory of the KV buffer's type and device; a send
+  with `source` reads its pages from that layout (which must lie inside a staging region)
+  instead of the KV buffer. The sender of a `gather` write (head_map.Write) packs the slice
+  there as whole pages first (prefill/staging.py), so the send is whole page runs.
 - The peer receives `notify` only after all bytes of that send have landed, so a receiver
   that has seen a room's last notification may read its pages.
 - A send that has not finished within `timeout` seconds is reported failed and its
@@ -80,11 +86,17 @@ class KVTransfer(ABC):
         engine refuses the metadata."""
 
     @abstractmethod
+    def add_staging(self, addr: int, nbytes: int) -> None:
+        """Register `nbytes` at `addr` (the KV buffer's memory type and device) for sends to read."""
+
+    @abstractmethod
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
-             notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None) -> None:
+             notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None,
+             source: KVLayout | None = None) -> None:
         """Start writing the model's KV `heads` (None: all the peer holds) of src_pages into the
-        peer's dst_pages; `notify` reaches the peer after. ValueError when either side does not
-        hold all of `heads`, or a page or the slot is outside its side's."""
+        peer's dst_pages; `notify` reaches the peer after. src_pages are the KV buffer's, or
+        `source`'s (a layout inside a staging region). ValueError when either side does not
+        hold all of `heads`, a page or the slot is outside its side's, or `source` is not staged."""
 
     @abstractmethod
     def poll(self) -> Events:

@@ -11,6 +11,11 @@ A replicated decode head is written into each decode rank holding it. Example, H
 prefill TP=1 -> decode TP=2: (0 -> 0, heads [0, 2)), (0 -> 1, heads [2, 4)); prefill
 TP=2 -> decode TP=1: (0 -> 0, [0, 2)), (1 -> 0, [2, 4)).
 
+A write whose heads are all the decode rank holds but only part of what the prefill rank
+holds (prefill TP 1 -> decode TP 2) is `gather`: its bytes are strided on prefill and whole
+pages on decode, so the sender first gathers them into whole pages of a staging buffer
+(prefill/staging.py) and sends those, one descriptor per page run instead of one per token.
+
 Every decode rank needs the request's first token too, in its own slot: exactly one write
 per decode rank carries it (`Write.slot`), the one from the lowest prefill rank writing it.
 
@@ -35,6 +40,7 @@ class Write:
     decode: int  # decode TP rank
     heads: HeadRange  # the model's heads, held by both ranks: KVTransfer.send(heads=)
     slot: bool  # this write carries the first token into the decode rank's slot
+    gather: bool = False  # all of the decode rank's heads, part of the prefill rank's: staged whole pages
 
 
 def plan_writes(prefill: Sequence[KVLayout], decode: Sequence[KVLayout]) -> list[Write]:
@@ -63,5 +69,6 @@ def plan_writes(prefill: Sequence[KVLayout], decode: Sequence[KVLayout]) -> list
         if len(runs) != 1:
             raise ValueError(f"prefill rank {p} would write decode rank {d} {len(runs)} separate head ranges")
         slot = not any(w.decode == d for w in writes)  # sorted by p: the first write of d is the lowest p's
-        writes.append(Write(p, d, (runs[0][0], runs[0][1]), slot))
+        heads = (runs[0][0], runs[0][1])
+        writes.append(Write(p, d, heads, slot, gather=heads == decode[d].heads != prefill[p].heads))
     return writes
