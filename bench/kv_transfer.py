@@ -15,8 +15,9 @@ copies the same number of bytes between two tensors of this process: on CPU `mem
 thread (what memcpy(3) does, and what NIXL's one UCX worker competes with), and torch's
 copy on all threads (2 here) for reference; on CUDA one `copy_` between two device tensors,
 synchronised, for both columns. With --decode-heads each token's slice is its own descriptor;
---staged gathers the slice into the sender's staging buffer first (prefill/staging.py, as a
-TP 1 prefill sends to a TP 2 decode), and the gather's time counts as the send's.
+--staged gathers the slice into staging pages of the sender's pool first (prefill/staging.py,
+as a TP 1 prefill sends to a TP 2 decode; the sources then come from the pool's lower half,
+which requests hold), and the gather's time counts as the send's.
 Result: docs/results/kv_transfer[_scattered][_heads[_staged]][_cuda].json.
 """
 
@@ -35,8 +36,11 @@ from pathlib import Path
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.radix_cache import create_prefix_cache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.transfer.nixl_agent import NixlTransfer
-from tandem.prefill.staging import SliceStaging, staging_bytes
+from tandem.prefill.staging import SliceStaging
 from tandem.protocol.kv_layout import KVLayout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +81,7 @@ def main() -> None:
                    help="the receiver holds only KV heads [LO, HI) of 4, as a decode TP rank whose TP size "
                         "differs from prefill's: each token's slice is its own descriptor (docs/tp.md)")
     p.add_argument("--staged", action="store_true", help="with --decode-heads: gather each send's slice into "
-                   "whole pages of a staging buffer first, as the prefill role does (prefill/staging.py)")
+                   "staging pages of the sender's pool first, as the prefill role does (prefill/staging.py)")
     p.add_argument("--out", default=None, help="default docs/results/kv_transfer[_scattered][_heads][_cuda].json")
     args = p.parse_args()
     heads = tuple(int(x) for x in args.decode_heads.split(":")) if args.decode_heads else None
@@ -99,7 +103,11 @@ def main() -> None:
     here.send((meta, src.layout().to_dict()))
     rng = random.Random(0)
     layout = src.layout()
-    staging = SliceStaging(src, t, staging_bytes(layout, args.tokens)) if args.staged else None
+    staging = None
+    if args.staged:
+        table = ReqToTokenPool(4, 64, "cpu")
+        staging = SliceStaging(CacheManager(table, src, create_prefix_cache(False, table, src.allocator, 16)))
+        src.allocator.alloc_pages(num_pages // 2)  # the sources' half; staging takes pages of the other
     nbytes = n * layout.page_bytes * 2 * layout.num_layers
     if heads is not None:  # only the receiver's share of every page moves
         nbytes = nbytes * (heads[1] - heads[0]) // SHAPE["num_kv_heads"]
@@ -108,19 +116,21 @@ def main() -> None:
     a.normal_()
 
     def pages() -> tuple[list[int], list[int]]:
+        top = num_pages // 2 if args.staged else num_pages
         if args.scattered:
-            return rng.sample(range(1, num_pages), n), rng.sample(range(1, num_pages), n)
-        s, d = rng.randrange(1, num_pages - n), rng.randrange(1, num_pages - n)
+            return rng.sample(range(1, top), n), rng.sample(range(1, num_pages), n)
+        s, d = rng.randrange(1, top - n), rng.randrange(1, num_pages - n)
         return list(range(s, s + n)), list(range(d, d + n))
 
     def nixl_round(staged: bool = args.staged, sends: int = args.sends) -> float:
         t0 = time.perf_counter()
         for i in range(sends):
             sp, dp = pages()
-            source = staging.stage(f"r{i}", sp, heads) if staged else None
+            source = None
             if staged:
-                assert source is not None, "the staging buffer is too small"
-                sp = list(range(1, n + 1))
+                got = staging.stage(f"r{i}", sp, heads)
+                assert got is not None, "no room for staging"
+                source, sp = got
             t.send(peer, f"r{i}", sp, dp, b"", heads=heads, source=source)
             while not (ev := t.poll()).sent:
                 pass

@@ -2,12 +2,11 @@
 
 A chunk (one key, "room:chunk") is the same on every rank; its writes are this rank's share
 of head_map's plan: one per decode rank it writes (several from TP 1 into TP 2, none from a
-rank whose replicated heads another rank writes). A `gather` write is packed into staged
-whole pages first (prefill/staging.py); when the staging buffer is busy it waits, in order,
-for earlier chunks' writes to be reported. A chunk is done here once all its writes are
-reported, failed if one failed or was refused (its staging is free from then on), and done
-for the sender once every rank says so (tandem/pd/agree.py): only then may its source pages
-be freed.
+rank whose replicated heads another rank writes). A `gather` write is packed into staging
+pages first (prefill/staging.py); when the pool has no room for them it waits, in order,
+for earlier writes' reports to free theirs. A chunk is done here once all its writes are
+reported, failed if one failed or was refused, and done for the sender once every rank says
+so (tandem/pd/agree.py): only then may its source pages be freed.
 """
 
 from __future__ import annotations
@@ -35,6 +34,11 @@ class Send:
     dst: Sequence[int]
     notify: bytes
     slot: tuple[int, int] | None
+
+    @property
+    def label(self) -> str:
+        """The transfer's name for this write: its report frees its own staging pages."""
+        return f"{self.key}>{self.write.decode}"
 
 
 class RankSends:
@@ -64,52 +68,57 @@ class RankSends:
         self.stats["waited_for_staging"] += sum(one.key == key for one in self.waiting)
         self._settle(key)
 
-    def _send(self, one: Send, source: KVLayout | None = None) -> bool:
+    def _send(self, one: Send, staged: tuple[KVLayout, list[int]] | None = None) -> bool:
         entry = self.open[one.key]
-        pages = range(1, len(one.src) + 1) if source is not None else one.src
+        source, pages = staged if staged is not None else (None, one.src)
         try:
             if one.agent is None:
                 raise KeyError(f"no agent for decode rank {one.write.decode}")
-            self.transfer.send(one.agent, one.key, pages, one.dst, one.notify, slot=one.slot,
+            self.transfer.send(one.agent, one.label, pages, one.dst, one.notify, slot=one.slot,
                                heads=one.write.heads, source=source)
         except (KeyError, ValueError) as exc:
+            self.staging.release(one.label)
             entry[1] = entry[1] or f"KV send refused: {exc}"
             return False
         entry[0] += 1
         return True
 
     def _drain(self) -> None:
-        """Stage and start waiting writes, in order, while the buffer has room; a chunk that
-        failed already drops its waiting writes."""
+        """Stage and start waiting writes, in order, while the pool has room. With no staging
+        held, no report will free any: the write goes as slices rather than wait on frees that
+        may never come (a pool full of requests whose sends wait). A chunk that failed already
+        drops its waiting writes."""
         while self.waiting:
             one = self.waiting[0]
             entry = self.open[one.key]
-            source = None if entry[1] else self.staging.stage(one.key, one.src, one.write.heads)
-            if source is None and not entry[1]:
+            staged = None if entry[1] else self.staging.stage(one.label, one.src, one.write.heads)
+            if staged is None and not entry[1] and self.staging.held:
                 return
             self.waiting.popleft()
             entry[0] -= 1
-            if source is not None:
-                self._send(one, source)
+            if not entry[1]:
+                self.stats["unstaged_sends"] += staged is None
+                self._send(one, staged)
             self._settle(one.key)
 
     def _settle(self, key: str) -> None:
         entry = self.open.get(key)
         if entry is not None and entry[0] == 0:
             del self.open[key]
-            self.staging.release(key)  # nothing of this chunk is read any more
             self.local.append((key, entry[1]))
 
     def poll(self) -> list[Report]:
         """The chunks every rank has now seen done: (key, "" or why it failed)."""
         for sent in self.transfer.poll().sent:
-            entry = self.open.get(sent.room)
+            self.staging.release(sent.room)  # nothing of this write is read any more
+            key = sent.room.rpartition(">")[0]
+            entry = self.open.get(key)
             if entry is None:
                 continue
             entry[0] -= 1
             if not sent.ok:
                 entry[1] = entry[1] or f"KV transfer failed: {sent.error}"
-            self._settle(sent.room)
-        self._drain()  # reported chunks freed their staging
+            self._settle(key)
+        self._drain()  # reported writes freed their staging
         local, self.local = self.local, []
         return self.agree.done(local)

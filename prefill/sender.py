@@ -34,7 +34,7 @@ from tandem.pd.parts import Link, TransferParts, refused
 from tandem.pd.tick_codec import TICK_CODEC
 from tandem.prefill.outgoing import Early, Outgoing, Phase
 from tandem.prefill.rank_sends import RankSends
-from tandem.prefill.staging import SliceStaging, staging_bytes
+from tandem.prefill.staging import SliceStaging
 from tandem.protocol.messages import GenerateReq
 
 if TYPE_CHECKING:
@@ -57,8 +57,7 @@ class PrefillSender:
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, Link] = {}  # decode name -> the agents of its ranks this rank writes
-        chunk = self.cfg.chunk_size or self.cfg.max_prefill_tokens
-        self.staging = SliceStaging(sched.runner.kv_pool, self.transfer, staging_bytes(self.layout, chunk))
+        self.staging = SliceStaging(self.cache)
         self.sends = RankSends(self.transfer, Agreement(sched.tp), self.staging)
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}

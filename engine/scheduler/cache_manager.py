@@ -127,6 +127,20 @@ class CacheManager:
             r.kv_committed_len += 1
         return slots
 
+    def alloc_staging(self, pages: int) -> list[int] | None:
+        """Whole pages outside any request, evicting cache entries if need be: a PD role's
+        staging for head slices (prefill/staging.py). None when the pool has no room now."""
+        if pages * self.page_size > self.available_tokens():
+            return None
+        self._ensure_free(pages)
+        got = self.allocator.alloc_pages(pages)
+        return None if got is None else got.tolist()
+
+    def free_staging(self, pages: list[int]) -> None:
+        if pages:
+            P = self.page_size
+            self.allocator.free((torch.tensor(pages, dtype=torch.int64)[:, None] * P + torch.arange(P)).flatten())
+
     # ---- release --------------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """The request stops holding KV (finished, aborted or retracted): its KV goes to

@@ -19,12 +19,15 @@ from hypothesis import strategies as st
 from waits import wait_until
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.radix_cache import create_prefix_cache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd import protocol as pd
 from tandem.pd.transfer.contract import Events
 from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.pd.transfer.head_map import plan_writes, shard_heads
 from tandem.pd.transfer.pages import descriptors
-from tandem.prefill.staging import SliceStaging, staging_bytes
+from tandem.prefill.staging import SliceStaging
 from tandem.protocol.kv_layout import KVLayout
 
 LAYERS, PAGE, DIM, SRC_PAGES, DST_PAGES = 3, 4, 8, 16, 24
@@ -41,8 +44,13 @@ class Rank:
                                   heads=(self.h0, self.h1), total_kv_heads=total)
         self.pool.kv_buffer.zero_()
         if ref is not None:  # (layers, 2, slots, heads, dim): this rank's share of the model's KV
-            self.pool.kv_buffer.copy_(ref[:, :, :, self.h0 : self.h1])
+            self.pool.kv_buffer[:, :, : ref.shape[2]].copy_(ref[:, :, :, self.h0 : self.h1])
         self.layout = self.pool.layout()
+
+
+def cache_over(pool: TokenToKVPool) -> CacheManager:
+    table = ReqToTokenPool(4, 64, "cpu")
+    return CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
 
 
 def reference(total: int) -> torch.Tensor:
@@ -133,7 +141,7 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
     plan's gather writes go through the sender's staging buffer (prefill/staging.py), as the
     prefill role sends them."""
     ref = reference(total)
-    pre = [Rank(total, tp_p, r, SRC_PAGES, ref, device) for r in range(tp_p)]
+    pre = [Rank(total, tp_p, r, 2 * SRC_PAGES, ref, device) for r in range(tp_p)]  # the upper half: staging
     dec = [Rank(total, tp_d, r, DST_PAGES, device=device) for r in range(tp_d)]
     pre_slots = [FirstTokenSlots(4, device=device) for _ in pre]
     dec_slots = [FirstTokenSlots(8, device=device) for _ in dec]
@@ -142,7 +150,9 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
     tag = f"{total}{tp_p}{tp_d}{device}{int(staged)}"
     pa = [nixl_agent.NixlTransfer(f"tp{tag}-p{r}") for r in range(tp_p)]
     da = [nixl_agent.NixlTransfer(f"tp{tag}-d{r}") for r in range(tp_d)]
-    stagers = [SliceStaging(r.pool, a, staging_bytes(r.layout, 4 * PAGE) * tp_d) for r, a in zip(pre, pa)]
+    stagers = [SliceStaging(cache_over(r.pool)) for r in pre]
+    for s in stagers:
+        s.cache.allocator.alloc_pages(SRC_PAGES - 1)  # the pages holding the reference KV
     try:
         pmeta = [a.register(r.layout, s.region()) for a, r, s in zip(pa, pre, pre_slots)]
         dmeta = [a.register(r.layout, s.region()) for a, r, s in zip(da, dec, dec_slots)]
@@ -150,10 +160,10 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
         for w in writes:
             peer = pa[w.prefill].add_peer(dmeta[w.decode], dec[w.decode].layout, dec_slots[w.decode].region())
             da[w.decode].add_peer(pmeta[w.prefill], pre[w.prefill].layout, pre_slots[w.prefill].region())
-            source = stagers[w.prefill].stage("r1", SRC_IDS, w.heads) if staged and w.gather else None
-            pa[w.prefill].send(peer, "r1", range(1, len(SRC_IDS) + 1) if source else SRC_IDS, DST_IDS,
-                               f"r1/{w.prefill}".encode(), slot=(1, 5) if w.slot else None, heads=w.heads,
-                               source=source)
+            source, src = stagers[w.prefill].stage(f"r1>{w.decode}", SRC_IDS, w.heads) if staged and w.gather \
+                else (None, SRC_IDS)
+            pa[w.prefill].send(peer, "r1", src, DST_IDS, f"r1/{w.prefill}".encode(),
+                               slot=(1, 5) if w.slot else None, heads=w.heads, source=source)
         events = {id(a): Events() for a in (*pa, *da)}
 
         def all_in() -> bool:
@@ -176,8 +186,9 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
         moved = LAYERS * 2 * len(SRC_IDS) * PAGE * DIM * 2 * sum(w.heads[1] - w.heads[0] for w in writes)
         assert sum(a.bytes_sent for a in pa) == moved
         assert sum(s.stats["staged_sends"] for s in stagers) == (sum(w.gather for w in writes) if staged else 0)
+        for w in writes:
+            stagers[w.prefill].release(f"r1>{w.decode}")
         for s in stagers:
-            s.release("r1")
             s.check_integrity()
     finally:
         for a in (*pa, *da):
@@ -196,17 +207,14 @@ def test_a_peer_of_another_tp_size_pairs_but_not_one_of_another_model() -> None:
             a.send(peer, "r", [1], [1], b"r")  # the default: all four of the peer's heads
         with pytest.raises(ValueError, match="a send of nothing"):
             a.send(peer, "r", [], [], b"r", heads=(0, 2))
-        # A send reads from a staged layout only inside a registered staging buffer.
-        buf = torch.empty(mine.layout.total_bytes, dtype=torch.uint8)
-        staged = dataclasses.replace(mine.layout, base_ptr=buf.data_ptr())
-        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
-            a.send(peer, "r", [1], [1], b"r", heads=(0, 2), source=staged)
-        a.add_staging(buf.data_ptr(), buf.numel() - 1)
-        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
-            a.send(peer, "r", [1], [1], b"r", heads=(0, 2), source=staged)  # one byte past its end
-        with pytest.raises(ValueError, match="not inside a registered staging buffer"):
-            a.send(peer, "r", [1], [1], b"r", heads=(0, 2),
-                   source=dataclasses.replace(staged, num_pages=2, mem_type="VRAM"))
+        # A send reads and writes slice views of the two registered buffers, nothing else.
+        for bad in (dataclasses.replace(mine.layout.sliced((0, 1)), base_ptr=mine.layout.base_ptr + 4096),
+                    dataclasses.replace(mine.layout.sliced((0, 1)), num_pages=mine.layout.num_pages),
+                    dataclasses.replace(mine.layout.sliced((0, 1)), mem_type="VRAM")):
+            with pytest.raises(ValueError, match="not a view of that side's registered KV buffer"):
+                a.send(peer, "r", [1], [1], b"r", heads=(0, 1), source=bad)
+        with pytest.raises(ValueError, match="destination is not a view"):
+            a.send(peer, "r", [1], [1], b"r", heads=(0, 1), dest=mine.layout.sliced((0, 1)))
         assert not a.pending
     finally:
         a.close()

@@ -1,7 +1,8 @@
 """RankSends (prefill/rank_sends.py) over a scripted transfer: gather writes go staged, wait in
-order while the staging buffer is busy and start as earlier chunks are reported; a write that
-can never fit goes as slices; a refused write fails its chunk and drops its waiting writes;
-every chunk ends reported once, with its staging free."""
+order while the pool has no room and start as earlier writes are reported; a write that can
+never fit, or finds no room with nothing staged in flight, goes as slices; a refused write
+fails its chunk and drops its waiting writes; every chunk ends reported once, with its
+staging free."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.radix_cache import create_prefix_cache
+from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.parallel.group import SINGLE
+from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.agree import Agreement
 from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import Events, SendDone
@@ -22,40 +26,40 @@ HALVES = Link((Write(0, 0, (0, 2), True, gather=True), Write(0, 1, (2, 4), True,
 
 
 class Transfer:
-    """Records sends; the test says which finish (`done`) and which peers are unknown."""
+    """Records sends; the test says which chunks finish (`done`) and which peers are unknown."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str, str, bool]] = []  # (peer, key, staged)
+        self.sent: list[tuple[str, str, bool]] = []  # (peer, chunk key, staged)
         self.finished: list[SendDone] = []
         self.unknown: set[str] = set()
 
-    def add_staging(self, addr: int, nbytes: int) -> None:
-        pass
-
-    def send(self, peer, room, src_pages, dst_pages, notify, slot=None, heads=None, source=None) -> None:
+    def send(self, peer, room, src_pages, dst_pages, notify, slot=None, heads=None, source=None, dest=None) -> None:
         if peer in self.unknown:
             raise KeyError(f"unknown peer {peer!r}")
-        self.sent.append((peer, room, source is not None))
+        self.sent.append((peer, room.rpartition(">")[0], source is not None))
 
     def done(self, key: str, ok: bool = True) -> None:
-        self.finished += [SendDone(key, ok, "" if ok else "boom") for p, k, _ in self.sent if k == key]
+        self.finished += [SendDone(f"{key}>{peer[1:]}", ok, "" if ok else "boom")
+                          for peer, k, _ in self.sent if k == key]
 
     def poll(self) -> Events:
         events, self.finished = Events(sent=self.finished), []
         return events
 
 
-def sends(chunk_pages: int) -> tuple[RankSends, Transfer]:
-    pool = TokenToKVPool(num_pages=64, page_size=PAGE, num_layers=2, num_kv_heads=HEADS, head_dim=8,
+def sends(pool_pages: int) -> tuple[RankSends, Transfer]:
+    """Over a pool of `pool_pages` usable pages, 8 of them taken by the requests being sent."""
+    pool = TokenToKVPool(num_pages=pool_pages + 9, page_size=PAGE, num_layers=2, num_kv_heads=HEADS, head_dim=8,
                          dtype=torch.bfloat16, device="cpu")
+    table = ReqToTokenPool(4, 64, "cpu")
+    cache = CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
+    cache.allocator.alloc_pages(8)
     t = Transfer()
-    staging = SliceStaging(pool, t, 0)
-    capacity = 2 * staging._staged(chunk_pages, (0, 2)).total_bytes  # one chunk's two halves
-    return RankSends(t, Agreement(SINGLE), SliceStaging(pool, t, capacity)), t
+    return RankSends(t, Agreement(SINGLE), SliceStaging(cache)), t
 
 
-def test_a_busy_buffer_holds_the_next_chunks_writes_until_the_first_is_reported() -> None:
-    rs, t = sends(4)
+def test_a_full_pool_holds_the_next_chunks_writes_until_the_first_is_reported() -> None:
+    rs, t = sends(4)  # 4 pages: a 4-page chunk's two halves (2 pool pages each) at a time
     rs.start("1:1", HALVES, [1, 2, 3, 4], [5, 6, 7, 8], b"n", (0, 0))
     rs.start("1:2", HALVES, [9, 10, 11, 12], [13, 14, 15, 16], b"n", None)
     assert t.sent == [("d0", "1:1", True), ("d1", "1:1", True)]
@@ -70,13 +74,28 @@ def test_a_busy_buffer_holds_the_next_chunks_writes_until_the_first_is_reported(
     rs.staging.check_integrity()
 
 
-def test_a_write_larger_than_the_buffer_goes_as_slices() -> None:
+def test_a_write_larger_than_the_pool_goes_as_slices() -> None:
     rs, t = sends(1)
     rs.start("2:1", HALVES, list(range(1, 9)), list(range(20, 28)), b"n", None)
     assert t.sent == [("d0", "2:1", False), ("d1", "2:1", False)] and rs.stats["unstaged_sends"] == 2
     t.done("2:1")
     assert rs.poll() == [("2:1", "")]
     rs.staging.check_integrity()
+
+
+def test_with_no_staging_in_flight_a_write_that_finds_no_room_goes_as_slices() -> None:
+    """Nothing in flight will free staging pages (a pool full of requests): waiting could be forever."""
+    rs, t = sends(3)  # room for the first half's 2 pool pages, not the second's
+    rs.start("4:1", HALVES, [1, 2, 3, 4], [5, 6, 7, 8], b"n", None)
+    assert t.sent == [("d0", "4:1", True)] and len(rs.waiting) == 1  # d0's staging will free
+    t.done("4:1")
+    rs.poll()
+    assert t.sent[1] == ("d1", "4:1", True)  # d0's report freed its pages
+    t.done("4:1")
+    assert rs.poll() == [("4:1", "")]
+    assert rs.staging.cache.alloc_staging(3) is not None  # requests fill the pool; nothing staged in flight
+    rs.start("4:2", HALVES, [1, 2, 3, 4], [5, 6, 7, 8], b"n", None)
+    assert t.sent[2:] == [("d0", "4:2", False), ("d1", "4:2", False)] and rs.stats["unstaged_sends"] == 2
 
 
 @pytest.mark.parametrize("fail", ["refused", "transfer"])

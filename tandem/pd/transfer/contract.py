@@ -10,8 +10,7 @@ same contract test over each.
     peer = t.add_peer(peer_meta, peer_layout, peer_slots)  # once per peer; checks layouts match
     t.send(peer, room, src_pages, dst_pages, notify, slot=(src, dst), heads=(h0, h1))  # starts the WRITEs
     t.poll()                                  # -> Events: finished sends, notifications received
-    t.add_staging(addr, nbytes)               # more local memory sends may read (source=)
-    t.send(peer, room, staged_pages, dst_pages, notify, heads=(h0, h1), source=staged_layout)
+    t.send(peer, room, src, dst, notify, heads=(h0, h1), source=mine.sliced(h), dest=theirs.sliced(h))
 
 Side effects the callers rely on:
 - `send` moves every layer's K and V of each source page into the matching destination
@@ -27,10 +26,11 @@ Side effects the callers rely on:
   send per (room, decode rank): the plan's `Write.slot` one (the lowest prefill rank writing
   that decode rank); the others pass slot=None. Notifications are per sender: a decode rank
   written by several prefill ranks has all of a room's bytes once each of them has notified.
-- Staging: `add_staging` registers more memory of the KV buffer's type and device; a send
-  with `source` reads its pages from that layout (which must lie inside a staging region)
-  instead of the KV buffer. The sender of a `gather` write (head_map.Write) packs the slice
-  there as whole pages first (prefill/staging.py), so the send is whole page runs.
+- Staged slices: `source` (this side's KV buffer) and `dest` (the peer's) may be given seen
+  at a slice's width (KVLayout.sliced): then src_pages / dst_pages are pages of that view,
+  where a PD role packed or will unpack the slice (prefill/staging.py, decode/staging.py), and
+  the send moves them as whole page runs instead of one descriptor per token. Either must
+  be a view of that side's registered buffer (its address and size), nothing else.
 - The peer receives `notify` only after all bytes of that send have landed, so a receiver
   that has seen a room's last notification may read its pages.
 - A send that has not finished within `timeout` seconds is reported failed and its
@@ -86,17 +86,14 @@ class KVTransfer(ABC):
         engine refuses the metadata."""
 
     @abstractmethod
-    def add_staging(self, addr: int, nbytes: int) -> None:
-        """Register `nbytes` at `addr` (the KV buffer's memory type and device) for sends to read."""
-
-    @abstractmethod
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
              notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None,
-             source: KVLayout | None = None) -> None:
+             source: KVLayout | None = None, dest: KVLayout | None = None) -> None:
         """Start writing the model's KV `heads` (None: all the peer holds) of src_pages into the
-        peer's dst_pages; `notify` reaches the peer after. src_pages are the KV buffer's, or
-        `source`'s (a layout inside a staging region). ValueError when either side does not
-        hold all of `heads`, a page or the slot is outside its side's, or `source` is not staged."""
+        peer's dst_pages; `notify` reaches the peer after. `source`/`dest`: the local / peer
+        buffer seen at the slice's width (pages of staged slices). ValueError when either side
+        does not hold all of `heads`, a page or the slot is outside its side's, or a view is
+        not of that side's registered buffer."""
 
     @abstractmethod
     def poll(self) -> Events:

@@ -70,7 +70,6 @@ class NixlTransfer(KVTransfer):
         self.layout: KVLayout | None = None
         self.slots: MetaRegion | None = None
         self._reg: Any = None
-        self._staging: list[tuple[int, int, Any]] = []  # (addr, bytes, registration)
         self.peers: dict[str, tuple[KVLayout, MetaRegion | None]] = {}
         self.pending: list[_Pending] = []
         self._failed: list[SendDone] = []
@@ -86,23 +85,15 @@ class NixlTransfer(KVTransfer):
         self._reg = self.agent.register_memory(descs)
         return self.agent.get_agent_metadata()
 
-    def add_staging(self, addr: int, nbytes: int) -> None:
-        assert self.layout is not None, "register() first"
-        try:
-            descs = self.agent.get_reg_descs([(addr, nbytes, self.layout.device_id, "")], self.layout.mem_type)
-            self._staging.append((addr, nbytes, self.agent.register_memory(descs)))
-        except self.errors as exc:
-            raise TransferError(f"NIXL refused the staging buffer ({type(exc).__name__}: {exc})") from None
-
-    def _source(self, source: KVLayout | None) -> KVLayout:
-        assert self.layout is not None, "register() first"
-        if source is None:
-            return self.layout
-        inside = any(a <= source.base_ptr and source.base_ptr + source.total_bytes <= a + n
-                     for a, n, _ in self._staging)
-        if not inside or (source.mem_type, source.device_id) != (self.layout.mem_type, self.layout.device_id):
-            raise ValueError("the send's source is not inside a registered staging buffer")
-        return source
+    @staticmethod
+    def _view(view: KVLayout | None, of: KVLayout, side: str) -> KVLayout:
+        """`of`, or `view` where it is `of` seen at a slice's width (KVLayout.sliced)."""
+        if view is None:
+            return of
+        if (view.base_ptr, view.total_bytes, view.mem_type, view.device_id) != (
+                of.base_ptr, of.total_bytes, of.mem_type, of.device_id):
+            raise ValueError(f"the send's {side} is not a view of that side's registered KV buffer")
+        return view
 
     def add_peer(self, metadata: bytes, layout: KVLayout, slots: MetaRegion | None = None) -> str:
         assert self.layout is not None, "register() first"
@@ -119,12 +110,13 @@ class NixlTransfer(KVTransfer):
 
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
              notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None,
-             source: KVLayout | None = None) -> None:
+             source: KVLayout | None = None, dest: KVLayout | None = None) -> None:
         assert self.layout is not None, "register() first"
         if peer not in self.peers:
             raise KeyError(f"unknown peer {peer!r}")
         peer_layout, peer_slots = self.peers[peer]
-        src, dst = descriptors(self._source(source), peer_layout, src_pages, dst_pages, heads)
+        src, dst = descriptors(self._view(source, self.layout, "source"), self._view(dest, peer_layout, "destination"),
+                               src_pages, dst_pages, heads)
         self.runs_sent += len(page_runs(src_pages, dst_pages))
         self.bytes_sent += int(src[:, 1].sum())
         if slot is not None:
@@ -204,9 +196,6 @@ class NixlTransfer(KVTransfer):
     def close(self) -> None:
         for peer in list(self.peers):
             self.remove_peer(peer)
-        for _, _, reg in self._staging:
-            self.agent.deregister_memory(reg)
-        self._staging = []
         if self._reg is not None:
             self.agent.deregister_memory(self._reg)
             self._reg = None

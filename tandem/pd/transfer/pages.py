@@ -65,6 +65,13 @@ def descriptors(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int], 
     return _head_slices(src_layout, src, h0, h1), _head_slices(dst_layout, dst, h0, h1)
 
 
+def staged_pages(pool_pages: Sequence[int], first: int, count: int, per_page: int) -> list[int]:
+    """Pages `first .. first + count` of a staged slice, as pages of the buffer seen at the
+    slice's width (KVLayout.sliced): staged page i lies in pool page pool_pages[i // per_page],
+    its (i % per_page)-th part, so any pool pages serve, consecutive or not."""
+    return [pool_pages[i // per_page] * per_page + i % per_page for i in range(first, first + count)]
+
+
 def _whole_pages(src_layout: KVLayout, dst_layout: KVLayout, runs: list[Run]) -> tuple[Descs, Descs]:
     out_src: list[tuple[int, int]] = []
     out_dst: list[tuple[int, int]] = []
