@@ -20,6 +20,7 @@ waits on DNS: a PENDING request asks again on a later loop (bounded by its boots
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import socket
 import threading
@@ -27,7 +28,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.engine.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,15 @@ class Allowlist:
         if time.monotonic() - self.resolved_at >= self.min_interval and self._refresh():
             return Verdict.PENDING, ""  # a pod that just came up may not have been in the last answer
         return Verdict.REFUSED, ""
+
+    def agreed(self, addresses: list[tuple[str, int]], tp: TPGroup) -> list[tuple[Verdict, str]]:
+        """check() of each (host, port), rank 0's verdicts on every TP rank (a collective):
+        DNS answers each rank at its own moment."""
+        verdicts = [self.check(host, port) for host, port in addresses] if tp.leader else []
+        if tp.size > 1:
+            sent = json.loads(tp.broadcast_bytes(json.dumps(verdicts).encode() if tp.leader else None))
+            verdicts = [(Verdict(v), str(k)) for v, k in sent]
+        return verdicts
 
     def refusal(self, host: str, port: int) -> str:
         """Why a request naming host:port is refused (a 400: a client's error, not a PD fault)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tandem.engine.scheduler.req import Req
@@ -28,3 +28,5 @@ class Incoming:
     slot: int | None = None
     chunks: int = 0
     total: int | None = None
+    pages: list[int] = field(default_factory=list)  # the pages KVDest named (reserved for the transfer)
+    staging: list[list[int]] = field(default_factory=list)  # KVDest.staging: pool pages (decode/staging.py)

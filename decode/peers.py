@@ -111,6 +111,11 @@ class PrefillPeers:
         if peer is not None and peer.link is not None:
             self.parts.drop(peer.link)
 
+    def link(self, key: str) -> Link:
+        """A READY peer's link into this rank; an empty one for a peer not (or no longer) ready."""
+        peer = self.peers.get(key)
+        return peer.link if peer is not None and peer.link is not None else Link(())
+
     def any_ready(self) -> bool:
         return any(p.ready for p in self.peers.values())
 

@@ -15,7 +15,8 @@ an abort during transfer sends KVCancel and keeps them until prefill answers KVC
 (or is declared dead, or the cancel times out). A request without bootstrap fields is
 prefilled here, like colocated. Prefix reuse: the prompt is matched against decode's own
 radix cache first and prefill sends only the pages from the first uncached one. What
-prefill writes is checked before use: notifications (arrival.py) and the first token.
+prefill writes is checked before use: notifications (arrival.py) and the first token. Head
+slices it holds more of than a prefill rank arrive in staging pages (decode/staging.py).
 
 Tensor parallelism: every rank runs this part alike (rank 0's control messages reach the
 others in the tick; its clock is `sched.now`). Each rank's shard is written by the prefill
@@ -25,20 +26,17 @@ it has fully arrived on every rank (tandem/pd/agree.py).
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from tandem.decode.allowlist import Allowlist, Verdict
 from tandem.decode.arrival import Arrival
 from tandem.decode.incoming import Incoming, Stage
+from tandem.decode.join import start_decoding
 from tandem.decode.peers import PrefillPeers
-from tandem.engine.scheduler.output_processor import accept_grammar_token
-from tandem.engine.scheduler.prefill_adder import reserved_tokens
+from tandem.decode.prealloc import reserve_room
+from tandem.decode.staging import ScatterStaging
 from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.pd import protocol as pd
@@ -66,6 +64,7 @@ class DecodeReceiver:
         self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
         self.transfer, self.peers, self.slots, self.allow = transfer, peers, slots, allow
         self.arrival = Arrival(peers)
+        self.staging = ScatterStaging(self.cache)
         self.agree = Agreement(sched.tp)
         self.vocab_size = sched.runner.vocab_size
         self.queue: deque[Incoming] = deque()  # resolving + bootstrap + prealloc, in arrival order
@@ -97,12 +96,7 @@ class DecodeReceiver:
         """Start the handshake with each request's prefill if decode may talk to it (allowlist.py);
         a PENDING one is placed again at the next poll. Under TP rank 0's verdicts hold on every
         rank (a collective): DNS answers each rank at its own moment."""
-        tp = self.sched.tp
-        verdicts = [self.allow.check(i.host, i.port) for i in incs] if tp.leader else []
-        if tp.size > 1:
-            sent = json.loads(tp.broadcast_bytes(json.dumps(verdicts).encode() if tp.leader else None))
-            verdicts = [(Verdict(v), str(k)) for v, k in sent]
-        for inc, (verdict, key) in zip(incs, verdicts):
+        for inc, (verdict, key) in zip(incs, self.allow.agreed([(i.host, i.port) for i in incs], self.sched.tp)):
             if verdict is Verdict.REFUSED:
                 self.stats["refused_addresses"] += 1
                 self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
@@ -186,7 +180,7 @@ class DecodeReceiver:
                 break  # first come, first served: a full pool holds everyone behind too
 
     def _reserve(self, inc: Incoming) -> bool:
-        req, P = inc.req, self.cache.page_size
+        req = inc.req
         n = len(req.origin_input_ids)
         req.init_next_round_input(self.cache.tree)
         if self.cfg.disable_pd_decode_prefix_reuse:
@@ -200,19 +194,10 @@ class DecodeReceiver:
             self.stats["local_prefills"] += 1
             self.sched.prefill.add(req)
             return True
+        if not reserve_room(self.sched, self.slots, self.staging, self.peers.link(inc.peer).staging, inc):
+            return False  # the pool is short: wait
         skip = len(req.prefix_indices)
-        ratio = self.sched.decode.new_token_ratio
-        reserve = reserved_tokens(self.sched.decode.reqs, ratio, self.cfg.clip_max_new_tokens)
-        need = (self.cache.allocator.pages_needed(skip, n - skip) * P
-                + min(req.sampling_params.max_new_tokens, self.cfg.clip_max_new_tokens) * ratio)
-        if (self.cache.available_tokens() - reserve < need or not self.slots.free
-                or self.cache.req_to_token_pool.available_size() == 0):
-            return False
-        self.cache.lock(req.last_node)
-        slots = self.cache.alloc_extend([req])
-        inc.slot = self.slots.alloc()
-        pages = (slots[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page
-        self.peers.channel.send(inc.peer, pd.KVDest(inc.room, pages, skip, inc.slot, n))
+        self.peers.channel.send(inc.peer, pd.KVDest(inc.room, inc.pages, skip, inc.slot, n, inc.staging))
         self.stats["reused_tokens"] += skip
         inc.stage, inc.since = Stage.TRANSFER, self.sched.now
         self.queue.remove(inc)
@@ -221,30 +206,16 @@ class DecodeReceiver:
     def _complete(self, inc: Incoming) -> None:
         """Every chunk landed: the request joins the running batch with its first token."""
         req = inc.req
+        if inc.staging:  # the head slices decode staged go into the room's pages
+            self.staging.scatter(self.peers.link(inc.peer), inc.staging, inc.pages)
         try:
             token, logprob, top = self.slots.read(inc.slot, self.vocab_size)
         except ValueError as exc:  # not a token of this model: this request fails, nothing else
             self._fail(inc, f"prefill {inc.peer} sent a bad first token: {exc}")
             return
         self._forget(inc)
-        now = time.monotonic()
-        req.first_token_time = req.last_token_time = now
-        req.output_ids.append(token)
-        req.status = ReqStatus.DECODING
-        if req.sampling_params.return_logprob or req.sampling_params.top_logprobs_num:
-            req.logprobs.append(logprob if logprob is not None else float("nan"))
-            req.top_logprobs.append(top[: req.sampling_params.top_logprobs_num])
         self.stats["transferred"] += 1
-        # Prefill sampled the first token under the same grammar; decode's matcher, built
-        # from the same constraint, catches up on it here and continues from it.
-        reason = req.to_finish or accept_grammar_token(req, token) or self.sched.output.check_finished(req, token)
-        if reason is not None:
-            self.sched.output.finish(req, reason)
-            self.sched.reqs.pop(req.rid, None)
-        else:
-            ids = torch.tensor([token], dtype=torch.int64)
-            self.sched.decode.running_batch.merge_batch(ScheduleBatch([req], output_ids=ids))
-        self.sched.output.stream([req])
+        start_decoding(self.sched, req, token, logprob, top)
 
     def _expire(self) -> None:
         now, cfg = self.sched.now, self.cfg
@@ -298,6 +269,8 @@ class DecodeReceiver:
         if inc.slot is not None:
             self.slots.release(inc.slot)
             inc.slot = None
+        self.staging.free(inc.staging)
+        inc.staging = []
         if self.rooms.get(inc.room) is inc:  # a request refused for reusing a room leaves the room's owner
             del self.rooms[inc.room]
             self.agree.forget(str(inc.room))
@@ -318,7 +291,7 @@ class DecodeReceiver:
         return {"role": "decode", "ready": self.ready(), "peers": self.peers.status(), "rooms": len(self.rooms),
                 "queued": len(self.queue), "handshake_failures": self.peers.handshake_failures,
                 "control_alive": channel.alive(), "control_dropped": channel.dropped.count,
-                "notes_refused": self.arrival.refused, **self.stats}
+                "notes_refused": self.arrival.refused, **self.stats, **self.staging.stats}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"

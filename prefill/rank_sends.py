@@ -4,7 +4,8 @@ A chunk (one key, "room:chunk") is the same on every rank; its writes are this r
 of head_map's plan: one per decode rank it writes (several from TP 1 into TP 2, none from a
 rank whose replicated heads another rank writes). A `gather` write is packed into staging
 pages first (prefill/staging.py); when the pool has no room for them it waits, in order,
-for earlier writes' reports to free theirs. A chunk is done here once all its writes are
+for earlier writes' reports to free theirs. A `scatter` write goes into the staging pages
+decode reserved for it (decode/staging.py) as whole pages. A chunk is done here once all its writes are
 reported, failed if one failed or was refused, and done for the sender once every rank says
 so (tandem/pd/agree.py): only then may its source pages be freed.
 """
@@ -13,19 +14,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.pd.agree import Agreement, Report
 from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import KVTransfer
 from tandem.pd.transfer.head_map import Write
+from tandem.pd.transfer.pages import staged_pages
 from tandem.prefill.staging import SliceStaging
 from tandem.protocol.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
 class Send:
-    """One write of one chunk: to the agent of decode rank `write.decode`."""
+    """One write of one chunk: to the agent of decode rank `write.decode`, into `dst` pages of
+    `dest` (its pool, or seen at the slice's width for decode's staging pages)."""
 
     key: str
     agent: str | None
@@ -34,6 +37,7 @@ class Send:
     dst: Sequence[int]
     notify: bytes
     slot: tuple[int, int] | None
+    dest: KVLayout | None = None
 
     @property
     def label(self) -> str:
@@ -47,21 +51,27 @@ class RankSends:
         self.open: dict[str, list] = {}  # key -> [writes started or waiting, not reported yet; the first error]
         self.waiting: deque[Send] = deque()  # gather writes waiting for staging room, oldest first
         self.local: list[Report] = []  # done on this rank, not yet exchanged
-        self.stats = {"unstaged_sends": 0, "waited_for_staging": 0}
+        self.stats = {"unstaged_sends": 0, "waited_for_staging": 0, "scatter_sends": 0}
 
     def start(self, key: str, link: Link, src: Sequence[int], dst: Sequence[int], notify: bytes,
-              slot: tuple[int, int] | None) -> None:
+              slot: tuple[int, int] | None, staging: tuple[list[list[int]], int] = ([], 0)) -> None:
         """Start the chunk's writes: every decode rank this rank writes gets its heads of the
         pages, and the plan's one write per decode rank that carries the first token takes the
-        slot. One refused ends the chunk (failed) once those started report."""
+        slot. `staging`: decode's staging pages (KVDest.staging) and this chunk's first page
+        among the room's, for `scatter` writes. One refused ends the chunk (failed) once those
+        started report."""
         entry = self.open[key] = [0, ""]
         for w in link.writes:
             one = Send(key, link.agents.get(w.decode), w, src, dst, notify, slot if w.slot else None)
+            if w.scatter is not None and staging[0] and w.decode in link.layouts:  # into decode's staging
+                one = replace(one, dest=link.layouts[w.decode].sliced(w.heads),
+                              dst=staged_pages(staging[0][w.scatter], staging[1], len(src), link.staging.per_page))
+                self.stats["scatter_sends"] += 1
             if w.gather and self.staging.fits(len(src), w.heads):
                 self.waiting.append(one)
                 entry[0] += 1
                 continue
-            self.stats["unstaged_sends"] += w.gather
+            self.stats["unstaged_sends"] += w.gather or (w.scatter is not None and one.dest is None)
             if not self._send(one):
                 break
         self._drain()
@@ -75,7 +85,7 @@ class RankSends:
             if one.agent is None:
                 raise KeyError(f"no agent for decode rank {one.write.decode}")
             self.transfer.send(one.agent, one.label, pages, one.dst, one.notify, slot=one.slot,
-                               heads=one.write.heads, source=source)
+                               heads=one.write.heads, source=source, dest=one.dest)
         except (KeyError, ValueError) as exc:
             self.staging.release(one.label)
             entry[1] = entry[1] or f"KV send refused: {exc}"

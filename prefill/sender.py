@@ -102,6 +102,11 @@ class PrefillSender:
             self._end(og, f"decode's pages do not fit this prompt ({len(dest.pages)} pages for "
                           f"{n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode)")
             return
+        link = self.peers.get(peer)
+        problem = link.staging.problem(dest.staging, want) if link is not None else None
+        if problem is not None:
+            self._end(og, f"decode's staging pages do not fit this prompt ({problem})")
+            return
         og.dest, og.peer, og.sent_upto, og.phase = dest, peer, dest.skip, Phase.SENDING
         self.sched.prefill.add(og.req)
 
@@ -200,7 +205,7 @@ class PrefillSender:
             return
         og.chunks += 1
         note = pd.notify(og.room, og.chunks, og.chunks if last else None)
-        self.sends.start(f"{og.room}:{og.chunks}", link, src, dst, note, slot)
+        self.sends.start(f"{og.room}:{og.chunks}", link, src, dst, note, slot, staging=(dest.staging, first))
         og.in_flight += 1
         og.sent_upto = upto
         self.stats["sends"] += 1

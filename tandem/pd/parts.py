@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tandem.pd import protocol as pd
@@ -24,7 +24,7 @@ from tandem.pd.control.follower import FollowerChannel
 from tandem.pd.identity import identity_of
 from tandem.pd.transfer.contract import KVTransfer, TransferError
 from tandem.pd.transfer.first_token import FirstTokenSlots
-from tandem.pd.transfer.head_map import Write, plan_writes
+from tandem.pd.transfer.head_map import Staging, Write, plan_writes, staging_of
 from tandem.protocol.kv_layout import KVLayout
 from tandem.worker_contract import (
     DEFAULT_KV_PORT_COUNT,
@@ -50,10 +50,13 @@ def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ig
 @dataclass(frozen=True)
 class Link:
     """This TP rank's side of one handshake: its writes in the plan (as the prefill rank of
-    each, or the decode rank) and the agents of the peer ranks it pairs with, by peer TP rank."""
+    each, or the decode rank), the agents and layouts of the peer ranks it pairs with, by
+    peer TP rank, and what decode stages for head slices (the same on every rank)."""
 
     writes: tuple[Write, ...]
-    agents: dict[int, str]
+    agents: dict[int, str] = field(default_factory=dict)
+    layouts: dict[int, KVLayout] = field(default_factory=dict)
+    staging: Staging = Staging()
 
 
 @dataclass
@@ -89,14 +92,14 @@ class TransferParts:
         except ValueError:
             return None, ["agent: not base64"]
         try:
-            writes = self._plan([KVLayout(**h["layout"]) for h in halves])
+            link = self._plan([KVLayout(**h["layout"]) for h in halves])
         except ValueError as exc:  # the ranks do not split one model's heads between them
             return None, [f"layout: {exc}"]
-        link, problem = Link(tuple(writes), {}), ""
-        for r in sorted({w.decode if self.role == PREFILL else w.prefill for w in writes}):
+        problem = ""
+        for r in sorted({w.decode if self.role == PREFILL else w.prefill for w in link.writes}):
             try:
-                link.agents[r] = self.transfer.add_peer(agents[r], KVLayout(**halves[r]["layout"]),
-                                                        pd.MetaRegion(**halves[r]["meta"]))
+                link.layouts[r] = KVLayout(**halves[r]["layout"])
+                link.agents[r] = self.transfer.add_peer(agents[r], link.layouts[r], pd.MetaRegion(**halves[r]["meta"]))
             except TransferError as exc:  # the transfer engine refused the metadata
                 problem = f"agent: {exc}"
             except ValueError as exc:  # KVLayout.mismatch
@@ -110,12 +113,13 @@ class TransferParts:
             return None, [problem]
         return link, []
 
-    def _plan(self, peer: list[KVLayout]) -> list[Write]:
-        """This rank's writes: its sends on prefill, what it receives on decode."""
+    def _plan(self, peer: list[KVLayout]) -> Link:
+        """This rank's writes (its sends on prefill, what it receives on decode) and the plan's staging."""
         mine = [KVLayout(**h["layout"]) for h in self.halves]
-        if self.role == PREFILL:
-            return [w for w in plan_writes(mine, peer) if w.prefill == self.tp.rank]
-        return [w for w in plan_writes(peer, mine) if w.decode == self.tp.rank]
+        prefill, decode = (mine, peer) if self.role == PREFILL else (peer, mine)
+        plan = plan_writes(prefill, decode)
+        rank = (lambda w: w.prefill) if self.role == PREFILL else (lambda w: w.decode)
+        return Link(tuple(w for w in plan if rank(w) == self.tp.rank), staging=staging_of(plan, decode))
 
     def drop(self, link: Link) -> None:
         """Forget a peer's agents: this rank's unfinished sends to them come back failed from poll."""

@@ -4,7 +4,8 @@ rank, torch-free and versioned (docs/pd.md has the sequence diagram).
     decode                                     prefill (ROUTER on its bootstrap port)
     Hello(identity, layout, agent, meta, ranks) --->  checks compatibility
                                         <---   Welcome(ok | error, its identity, layout, agent, meta, ranks)
-    KVDest(room, dst pages, skip, slot) --->   request waits for this before it is computed
+    KVDest(room, dst pages, skip, slot,
+           staging)                     --->   request waits for this before it is computed
                                         <---   NIXL WRITEs per chunk, notify "room:chunk:total|-"
     KVCancel(room, reason)              <-->   either side gives up a room (abort, failure, local prefill)
                                         <---   KVCancelled(room): prefill writes nothing more there
@@ -32,7 +33,8 @@ from tandem.pd.schema import Spec, boolean, int_list, list_of, one_of, record, t
 # 3: the layout holds a range of the model's KV heads (tensor parallelism: head_start,
 #    total_kv_heads), and the identity's num_kv_heads is the model's, not one rank's
 # 4: Hello and Welcome carry every TP rank's half (`ranks`): each rank is its own NIXL agent
-PD_VERSION = 4
+# 5: KVDest carries the staging pages decode reserved for head slices it scatters (`staging`)
+PD_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -100,6 +102,10 @@ class KVDest:
     skip: int
     slot: int
     prompt_len: int
+    # Between TP sizes where decode holds more heads than a prefill rank: per such write of a
+    # decode rank (head_map.Write.scatter), pool pages prefill writes the slice into as whole
+    # pages (head_map.Staging); empty: the slices go where they lie.
+    staging: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -164,7 +170,8 @@ SCHEMAS: dict[type, Spec] = {
     Hello: record({"name": _NAME, **_HALF}),
     Welcome: record({"name": _NAME, "ok": boolean, "error": _TEXT, **_HALF}),
     KVDest: record({"room": _ROOM, "pages": int_list(MAX_PAGES, COUNT_LIMIT), "skip": _count, "slot": _count,
-                    "prompt_len": _positive}),
+                    "prompt_len": _positive,
+                    "staging": list_of(int_list(MAX_PAGES, COUNT_LIMIT), MAX_TP_RANKS, "page lists")}),
     KVCancel: record({"room": _ROOM, "reason": _TEXT}),
     KVCancelled: record({"room": _ROOM}),
     Heartbeat: record({"name": _NAME}),

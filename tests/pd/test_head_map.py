@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tandem.pd.transfer.head_map import Write, plan_writes, shard_heads
+from tandem.pd.transfer.head_map import Write, plan_writes, shard_heads, staging_of
 from tandem.protocol.kv_layout import KVLayout
 
 BASE = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="bfloat16", itemsize=2, page_size=4,
@@ -55,8 +55,21 @@ def test_every_decode_head_is_written_exactly_once_by_a_holder(setup: tuple[int,
             assert w.heads[0] < w.heads[1] and src[0] <= w.heads[0] and w.heads[1] <= src[1]
             # the writer is the lowest prefill rank holding the heads
             assert not any(p.heads[0] <= w.heads[0] < p.heads[1] for p in prefill[: w.prefill])
-            # staged exactly when the decode side is whole pages and the prefill side is not
+            # staged exactly where one side is whole pages and the other is not
             assert w.gather == (w.heads == lay.heads != src)
+            assert (w.scatter is not None) == (w.heads == src != lay.heads)
+            if tp_p % tp_d == 0 or tp_d % tp_p == 0:  # nested TP sizes: a slice is one side's whole
+                assert w.heads in (src, lay.heads)
+        # decode's scatter writes, numbered in prefill order
+        assert [w.scatter for w in mine if w.scatter is not None] == list(range(sum(w.scatter is not None
+                                                                                    for w in mine)))
+        staging = staging_of(writes, decode)
+        if staging.writes:  # the same shape on every decode rank (they allocate in lockstep)
+            assert sum(w.scatter is not None for w in mine) == staging.writes
+            assert all(lay.num_kv_heads == staging.per_page * (w.heads[1] - w.heads[0])
+                       for w in mine if w.scatter is not None)
+        elif tp_p > tp_d and (tp_p % tp_d == 0 and total % tp_p == 0):
+            raise AssertionError(f"nested TP {tp_p} -> {tp_d} of {total} heads should stage")
         assert sum(w.slot for w in mine) == 1
         assert next(w for w in mine if w.slot).prefill == min(w.prefill for w in mine)
         alone = plan_writes(prefill, [lay])  # what a prefill rank plans from one decode rank's Hello
@@ -66,10 +79,12 @@ def test_every_decode_head_is_written_exactly_once_by_a_holder(setup: tuple[int,
 def test_the_plans_the_module_docstring_names() -> None:
     assert plan_writes(ranks(4, 1), ranks(4, 2)) == [Write(0, 0, (0, 2), True, gather=True),
                                                      Write(0, 1, (2, 4), True, gather=True)]
-    assert plan_writes(ranks(4, 2), ranks(4, 1)) == [Write(0, 0, (0, 2), True), Write(1, 0, (2, 4), False)]
+    assert plan_writes(ranks(4, 2), ranks(4, 1)) == [Write(0, 0, (0, 2), True, scatter=0),
+                                                     Write(1, 0, (2, 4), False, scatter=1)]
     assert plan_writes(ranks(4, 2), ranks(4, 2)) == [Write(0, 0, (0, 2), True), Write(1, 1, (2, 4), True)]
     # replicated on prefill (H=2, TP=4): ranks 0 and 2 hold heads 0 and 1 first; 1 and 3 write nothing
-    assert plan_writes(ranks(2, 4), ranks(2, 1)) == [Write(0, 0, (0, 1), True), Write(2, 0, (1, 2), False)]
+    assert plan_writes(ranks(2, 4), ranks(2, 1)) == [Write(0, 0, (0, 1), True, scatter=0),
+                                                     Write(2, 0, (1, 2), False, scatter=1)]
     # replicated on decode: each copy of a head is written
     assert plan_writes(ranks(2, 1), ranks(2, 4)) == [Write(0, d, (d // 2, d // 2 + 1), True, gather=True)
                                                      for d in range(4)]

@@ -18,15 +18,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from waits import wait_until
 
+from tandem.decode.staging import ScatterStaging
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd import protocol as pd
+from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import Events
 from tandem.pd.transfer.first_token import FirstTokenSlots
-from tandem.pd.transfer.head_map import plan_writes, shard_heads
-from tandem.pd.transfer.pages import descriptors
+from tandem.pd.transfer.head_map import plan_writes, shard_heads, staging_of
+from tandem.pd.transfer.pages import descriptors, staged_pages
 from tandem.prefill.staging import SliceStaging
 from tandem.protocol.kv_layout import KVLayout
 
@@ -137,12 +139,12 @@ def _nixl() -> None:
 ])
 def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: int, tp_d: int, device: str,
                                                               staged: bool) -> None:
-    """On host memory, or VRAM to VRAM on one GPU (every rank's pool on it). `staged`: the
-    plan's gather writes go through the sender's staging buffer (prefill/staging.py), as the
-    prefill role sends them."""
+    """On host memory, or VRAM to VRAM on one GPU (every rank's pool on it). `staged`: as the
+    PD roles send them, the plan's gather writes go through the prefill rank's staging pages
+    (prefill/staging.py), its scatter writes into the decode rank's (decode/staging.py)."""
     ref = reference(total)
     pre = [Rank(total, tp_p, r, 2 * SRC_PAGES, ref, device) for r in range(tp_p)]  # the upper half: staging
-    dec = [Rank(total, tp_d, r, DST_PAGES, device=device) for r in range(tp_d)]
+    dec = [Rank(total, tp_d, r, 2 * DST_PAGES, device=device) for r in range(tp_d)]
     pre_slots = [FirstTokenSlots(4, device=device) for _ in pre]
     dec_slots = [FirstTokenSlots(8, device=device) for _ in dec]
     for p, s in enumerate(pre_slots):  # each prefill rank's own token: the decode slot says who wrote it
@@ -151,19 +153,26 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
     pa = [nixl_agent.NixlTransfer(f"tp{tag}-p{r}") for r in range(tp_p)]
     da = [nixl_agent.NixlTransfer(f"tp{tag}-d{r}") for r in range(tp_d)]
     stagers = [SliceStaging(cache_over(r.pool)) for r in pre]
-    for s in stagers:
-        s.cache.allocator.alloc_pages(SRC_PAGES - 1)  # the pages holding the reference KV
+    scatters = [ScatterStaging(cache_over(r.pool)) for r in dec]
+    for s, n in [(s, SRC_PAGES) for s in stagers] + [(s, DST_PAGES) for s in scatters]:
+        s.cache.allocator.alloc_pages(n - 1)  # the reference KV's pages and the room's: staging takes others
     try:
         pmeta = [a.register(r.layout, s.region()) for a, r, s in zip(pa, pre, pre_slots)]
         dmeta = [a.register(r.layout, s.region()) for a, r, s in zip(da, dec, dec_slots)]
         writes = plan_writes([r.layout for r in pre], [r.layout for r in dec])
+        plan = staging_of(writes, [r.layout for r in dec])
+        reserved = [s.reserve(plan, len(DST_IDS)) if staged else [] for s in scatters]  # KVDest.staging
         for w in writes:
             peer = pa[w.prefill].add_peer(dmeta[w.decode], dec[w.decode].layout, dec_slots[w.decode].region())
             da[w.decode].add_peer(pmeta[w.prefill], pre[w.prefill].layout, pre_slots[w.prefill].region())
             source, src = stagers[w.prefill].stage(f"r1>{w.decode}", SRC_IDS, w.heads) if staged and w.gather \
                 else (None, SRC_IDS)
-            pa[w.prefill].send(peer, "r1", src, DST_IDS, f"r1/{w.prefill}".encode(),
-                               slot=(1, 5) if w.slot else None, heads=w.heads, source=source)
+            dest, dst = None, DST_IDS
+            if staged and w.scatter is not None:
+                dest = dec[w.decode].layout.sliced(w.heads)
+                dst = staged_pages(reserved[w.decode][w.scatter], 0, len(DST_IDS), plan.per_page)
+            pa[w.prefill].send(peer, "r1", src, dst, f"r1/{w.prefill}".encode(),
+                               slot=(1, 5) if w.slot else None, heads=w.heads, source=source, dest=dest)
         events = {id(a): Events() for a in (*pa, *da)}
 
         def all_in() -> bool:
@@ -177,15 +186,21 @@ def test_every_decode_rank_gets_its_heads_and_one_first_token(total: int, tp_p: 
         wait_until(all_in, 20, "every send reported and every notification received", interval=0.001)
         assert all(done.ok for a in pa for done in events[id(a)].sent)
         for d, r in enumerate(dec):
+            if reserved[d]:  # the room arrived: decode moves what it staged into the room's pages
+                link = Link(tuple(w for w in writes if w.decode == d))
+                scatters[d].scatter(link, reserved[d], DST_IDS)
+                scatters[d].free(reserved[d])
+            scatters[d].cache.allocator.check_integrity(in_use_pages=DST_PAGES - 1)
             writers = [w.prefill for w in writes if w.decode == d]
             assert sorted(events[id(da[d])].received) == sorted((f"tp{tag}-p{p}", f"r1/{p}".encode()) for p in writers)
             kv = r.pool.kv_buffer.cpu()
             assert torch.equal(slots_of(kv, DST_IDS), slots_of(ref, SRC_IDS)[:, :, :, r.h0 : r.h1])
-            assert torch.count_nonzero(others(kv, DST_IDS)) == 0
+            assert torch.count_nonzero(others(kv[:, :, : DST_PAGES * PAGE], DST_IDS)) == 0
             assert dec_slots[d].read(5)[0] == 100 + min(writers)  # one writer: the lowest prefill rank
         moved = LAYERS * 2 * len(SRC_IDS) * PAGE * DIM * 2 * sum(w.heads[1] - w.heads[0] for w in writes)
         assert sum(a.bytes_sent for a in pa) == moved
         assert sum(s.stats["staged_sends"] for s in stagers) == (sum(w.gather for w in writes) if staged else 0)
+        assert sum(map(bool, reserved)) == (sum(w.scatter == 0 for w in writes) if staged else 0)
         for w in writes:
             stagers[w.prefill].release(f"r1>{w.decode}")
         for s in stagers:
@@ -235,7 +250,7 @@ def test_a_tp_layout_crosses_the_handshake_and_old_layout_dicts_still_load() -> 
     assert isinstance(msg, pd.Hello) and KVLayout(**msg.layout).heads == (2, 4)
     old = {k: v for k, v in msg.layout.items() if k not in ("head_start", "total_kv_heads")}
     assert KVLayout(**old).heads == (0, 2) and KVLayout(**old).total_heads == 2  # no TP: all of them
-    assert pd.PD_VERSION == 4
+    assert pd.PD_VERSION == 5
 
 
 small_or_huge = st.integers(0, 8) | st.integers(0, 2**70)

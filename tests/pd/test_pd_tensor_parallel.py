@@ -1,11 +1,12 @@
 """PD between tensor-parallel workers (issue 29): a TP=2 prefill feeding a TP=2 decode (each
 prefill rank writes its decode twin's heads) and a TP=1 decode (both prefill ranks write
-halves of its heads), and a TP=1 prefill feeding the TP=2 decode (its one rank writes both, each half staged
-into whole pages first: prefill/staging.py),
-token-identical to the offline TP=1 Engine, every rank's pool whole on both sides after
-each test. A cancel mid-transfer crosses both TP groups' ticks and frees every rank's pages;
-a TP decode killed mid-stream is found dead (through the TP prefill's tick). The TP workers run
-with the step digest on: a rank deciding apart from rank 0 would stop its worker."""
+halves of its heads, into staging pages decode then scatters: decode/staging.py), and a TP=1
+prefill feeding the TP=2 decode (its one rank writes both, each half staged into whole pages
+first: prefill/staging.py), token-identical to the offline TP=1 Engine, every rank's pool
+whole on both sides after each test. A cancel mid-transfer crosses both TP groups' ticks and
+frees every rank's pages; a TP decode killed mid-stream is found dead (through the TP
+prefill's tick). The TP workers run with the step digest on: a rank deciding apart from
+rank 0 would stop its worker."""
 
 from __future__ import annotations
 
@@ -79,7 +80,11 @@ def test_tp2_prefill_to_tp2_decode_matches_one_rank(stack, want) -> None:
 def test_tp2_prefill_to_tp1_decode_matches_one_rank(stack, want) -> None:
     pre, _, dec1, _ = stack
     assert _generate(pre, dec1) == want
-    assert pd_stats(dec1)[0]["transferred"] >= len(PROMPTS) and pd_stats(dec1)[0]["failed"] == 0
+    stats = pd_stats(dec1)[0]
+    assert stats["transferred"] >= len(PROMPTS) and stats["failed"] == 0
+    # Each prefill rank's half went into staging pages decode reserved, then into the room's pages.
+    assert stats["scattered_rooms"] >= len(PROMPTS) and stats["unstaged_rooms"] == 0
+    assert all(r["scatter_sends"] >= len(PROMPTS) and r["unstaged_sends"] == 0 for r in pd_stats(pre))
 
 
 def test_tp1_prefill_to_tp2_decode_matches_one_rank(stack, want) -> None:

@@ -25,7 +25,8 @@ KILLERS = [b"[]", b"1", b"null", b'"x"', b"[" * 200_000, b"\xff\xfe\x00", b"",
            b'"agent":"","meta":{}}}',
            b'{"v":1,"type":"Hello","body":[]}', b'{"v":1,"type":"__class__","body":{}}', b"NaN"]
 
-_VALID = [pd.KVDest(1, [1, 2], 0, 0, 8), pd.KVCancel(2, "why"), pd.KVCancelled(3), pd.Heartbeat("d"),
+_VALID = [pd.KVDest(1, [1, 2], 0, 0, 8), pd.KVDest(4, [1, 2], 0, 0, 8, [[3], [5]]), pd.KVCancel(2, "why"),
+          pd.KVCancelled(3), pd.Heartbeat("d"),
           pd.HeartbeatAck("p", True), pd.Welcome("p", False, "no")]
 
 json_values = st.recursive(

@@ -11,10 +11,16 @@ A replicated decode head is written into each decode rank holding it. Example, H
 prefill TP=1 -> decode TP=2: (0 -> 0, heads [0, 2)), (0 -> 1, heads [2, 4)); prefill
 TP=2 -> decode TP=1: (0 -> 0, [0, 2)), (1 -> 0, [2, 4)).
 
-A write whose heads are all the decode rank holds but only part of what the prefill rank
-holds (prefill TP 1 -> decode TP 2) is `gather`: its bytes are strided on prefill and whole
-pages on decode, so the sender first gathers them into whole pages of a staging buffer
-(prefill/staging.py) and sends those, one descriptor per page run instead of one per token.
+Where the TP sizes nest (one divides the other, as powers of two do) a slice is all of one
+side's heads; otherwise (6 heads over TP 2 and TP 3) it may be neither, and goes as per-token
+descriptors. Where it is all the decode rank
+holds but part of the prefill rank's (prefill TP 1 -> decode TP 2) the write is `gather`:
+the sender packs it into staging pages first (prefill/staging.py). Where it is all the
+prefill rank holds but part of the decode rank's (prefill TP 2 -> decode TP 1) it is
+`scatter`: decode reserves staging pages for it (KVDest.staging, one list per scatter write
+of a decode rank, `Staging`), prefill writes whole pages there, and decode moves them into
+its pages on arrival (decode/staging.py). Either way a send is whole page runs, not one
+descriptor per token.
 
 Every decode rank needs the request's first token too, in its own slot: exactly one write
 per decode rank carries it (`Write.slot`), the one from the lowest prefill rank writing it.
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 
 from tandem.protocol.kv_layout import HeadRange, KVLayout, shard_heads
 
-__all__ = ["Write", "plan_writes", "shard_heads"]
+__all__ = ["Staging", "Write", "plan_writes", "shard_heads", "staging_of"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,46 @@ class Write:
     decode: int  # decode TP rank
     heads: HeadRange  # the model's heads, held by both ranks: KVTransfer.send(heads=)
     slot: bool  # this write carries the first token into the decode rank's slot
-    gather: bool = False  # all of the decode rank's heads, part of the prefill rank's: staged whole pages
+    gather: bool = False  # all of the decode rank's heads, part of the prefill rank's: prefill stages
+    scatter: int | None = None  # all of the prefill rank's, part of the decode rank's: decode stages, in
+                                # the list of KVDest.staging at this index (the decode rank's n-th such write)
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What decode stages for a room (the same on every decode rank): `writes` lists of pool
+    pages, each holding a room's n pages at `per_page` staged pages per pool page."""
+
+    writes: int = 0
+    per_page: int = 1
+    num_pages: int = 2  # decode's pool pages: a staging page lies in 1 .. num_pages - 1
+
+    def pool_pages(self, pages: int) -> int:
+        return -(-pages // self.per_page)
+
+    def problem(self, staging: list[list[int]], pages: int) -> str | None:
+        """Why `staging` (a KVDest's, for a room of `pages` pages) is not what decode must send; None if it is."""
+        if not staging:
+            return None  # decode had no room to stage: the slices go as they lie
+        want = self.pool_pages(pages)
+        if len(staging) != self.writes or any(len(s) != want for s in staging):
+            return f"staging: {self.writes} lists of {want} pages expected"
+        if any(not 0 < p < self.num_pages for s in staging for p in s):
+            return f"staging: a page outside 1..{self.num_pages - 1}"
+        return None
+
+
+def staging_of(writes: Sequence[Write], decode: Sequence[KVLayout]) -> Staging:
+    """The Staging of a whole plan (every write, every decode rank's layout). Decode ranks
+    allocate in lockstep, so staging needs every rank's scatter writes alike: as many, all of
+    one width that divides the rank's heads; else none is staged (they go as slices)."""
+    widths = {d: sorted(w.heads[1] - w.heads[0] for w in writes if w.decode == d and w.scatter is not None)
+              for d in range(len(decode))}
+    first = widths[0]
+    if not first or any(v != first for v in widths.values()) or len(set(first)) != 1 \
+            or any(lay.num_kv_heads % first[0] or lay.num_pages != decode[0].num_pages for lay in decode):
+        return Staging()
+    return Staging(len(first), decode[0].num_kv_heads // first[0], decode[0].num_pages)
 
 
 def plan_writes(prefill: Sequence[KVLayout], decode: Sequence[KVLayout]) -> list[Write]:
@@ -70,5 +115,7 @@ def plan_writes(prefill: Sequence[KVLayout], decode: Sequence[KVLayout]) -> list
             raise ValueError(f"prefill rank {p} would write decode rank {d} {len(runs)} separate head ranges")
         slot = not any(w.decode == d for w in writes)  # sorted by p: the first write of d is the lowest p's
         heads = (runs[0][0], runs[0][1])
-        writes.append(Write(p, d, heads, slot, gather=heads == decode[d].heads != prefill[p].heads))
+        scatter = sum(w.decode == d and w.scatter is not None for w in writes)
+        writes.append(Write(p, d, heads, slot, gather=heads == decode[d].heads != prefill[p].heads,
+                            scatter=scatter if heads == prefill[p].heads != decode[d].heads else None))
     return writes
