@@ -1,6 +1,6 @@
 """Smoke test of bench/kv_transfer.py, run as a user would (a script, outside the repo root):
 whole pages, and head slices into a receiver holding half the KV heads, sent where they lie
-or staged into whole pages first."""
+or staged into whole pages first, and half the heads staged into a receiver holding all."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
 
 
-@pytest.mark.parametrize("extra", [[], ["--decode-heads", "0:2"], ["--decode-heads", "0:2", "--staged"]],
-                         ids=["whole-pages", "head-slices", "staged-slices"])
+@pytest.mark.parametrize("extra", [[], ["--decode-heads", "0:2"], ["--decode-heads", "0:2", "--staged"],
+                                   ["--prefill-heads", "2:4", "--staged"]],
+                         ids=["whole-pages", "head-slices", "staged-slices", "staged-into-wider"])
 def test_kv_transfer_bench_smoke(extra: list[str], tmp_path: Path) -> None:
     out = tmp_path / "kv.json"
     argv = [sys.executable, str(SCRIPT), "--tokens", "64", "--rounds", "1", "--sends", "2", "--out", str(out), *extra]
@@ -23,7 +24,8 @@ def test_kv_transfer_bench_smoke(extra: list[str], tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["tokens"] == 64 and len(res["rounds"]) == 1 and res["median_ratio"] > 0
-    assert res["decode_heads"] == ([0, 2] if extra else None)
+    assert res["decode_heads"] == ([0, 2] if "--decode-heads" in extra else None)
+    assert res["prefill_heads"] == ([2, 4] if "--prefill-heads" in extra else None)
     full = 64 * 12 * 2 * 4 * 64 * 2  # tokens x layers x K/V x KV heads x head_dim x bf16 bytes
     assert res["bytes_per_send"] == (full // 2 if extra else full)
     assert res["staged"] == ("--staged" in extra)
