@@ -3,11 +3,12 @@
 A chunk (one key, "room:chunk") is the same on every rank; its writes are this rank's share
 of head_map's plan: one per decode rank it writes (several from TP 1 into TP 2, none from a
 rank whose replicated heads another rank writes). A `gather` write is packed into staging
-pages first (prefill/staging.py); when the pool has no room for them it waits, in order,
-for earlier writes' reports to free theirs. A `scatter` write goes into the staging pages
-decode reserved for it (decode/staging.py) as whole pages. A chunk is done here once all its writes are
-reported, failed if one failed or was refused, and done for the sender once every rank says
-so (tandem/pd/agree.py): only then may its source pages be freed.
+pages first (prefill/staging.py), freed when the chunk is done on every rank; when the pool
+has no room for them it waits, in order, for earlier chunks to free theirs. A `scatter`
+write goes into the staging pages decode reserved for it (decode/staging.py) as whole
+pages. A chunk is done here once all its writes are reported, failed if one failed or was
+refused, and done for the sender once every rank says so (tandem/pd/agree.py): only then
+may its source pages be freed.
 """
 
 from __future__ import annotations
@@ -39,13 +40,12 @@ class Send:
     slot: tuple[int, int] | None
     dest: KVLayout | None = None
 
-    @property
-    def label(self) -> str:
-        """The transfer's name for this write: its report frees its own staging pages."""
-        return f"{self.key}>{self.write.decode}"
-
 
 class RankSends:
+    """Under TP every rank stages alike: what it stages and frees depends only on what every
+    rank shares (the chunks started, the pool, the chunks agreed done), never on its own NIXL
+    events, or the ranks' pools would drift apart."""
+
     def __init__(self, transfer: KVTransfer, agree: Agreement, staging: SliceStaging) -> None:
         self.transfer, self.agree, self.staging = transfer, agree, staging
         self.open: dict[str, list] = {}  # key -> [writes started or waiting, not reported yet; the first error]
@@ -58,8 +58,8 @@ class RankSends:
         """Start the chunk's writes: every decode rank this rank writes gets its heads of the
         pages, and the plan's one write per decode rank that carries the first token takes the
         slot. `staging`: decode's staging pages (KVDest.staging) and this chunk's first page
-        among the room's, for `scatter` writes. One refused ends the chunk (failed) once those
-        started report."""
+        among the room's, for `scatter` writes. One refused fails the chunk (once those
+        started report); the writes after it are not sent."""
         entry = self.open[key] = [0, ""]
         for w in link.writes:
             one = Send(key, link.agents.get(w.decode), w, src, dst, notify, slot if w.slot else None)
@@ -72,43 +72,40 @@ class RankSends:
                 entry[0] += 1
                 continue
             self.stats["unstaged_sends"] += w.gather or (w.scatter is not None and one.dest is None)
-            if not self._send(one):
-                break
+            self._send(one)
         self._drain()
         self.stats["waited_for_staging"] += sum(one.key == key for one in self.waiting)
         self._settle(key)
 
-    def _send(self, one: Send, staged: tuple[KVLayout, list[int]] | None = None) -> bool:
+    def _send(self, one: Send, staged: tuple[KVLayout, list[int]] | None = None) -> None:
         entry = self.open[one.key]
+        if entry[1]:
+            return  # the chunk failed already
         source, pages = staged if staged is not None else (None, one.src)
         try:
             if one.agent is None:
                 raise KeyError(f"no agent for decode rank {one.write.decode}")
-            self.transfer.send(one.agent, one.label, pages, one.dst, one.notify, slot=one.slot,
+            self.transfer.send(one.agent, one.key, pages, one.dst, one.notify, slot=one.slot,
                                heads=one.write.heads, source=source, dest=one.dest)
         except (KeyError, ValueError) as exc:
-            self.staging.release(one.label)
-            entry[1] = entry[1] or f"KV send refused: {exc}"
-            return False
+            entry[1] = f"KV send refused: {exc}"
+            return
         entry[0] += 1
-        return True
 
     def _drain(self) -> None:
-        """Stage and start waiting writes, in order, while the pool has room. With no staging
-        held, no report will free any: the write goes as slices rather than wait on frees that
-        may never come (a pool full of requests whose sends wait). A chunk that failed already
-        drops its waiting writes."""
+        """Stage and start waiting writes, in order, while the pool has room. A write waits only
+        while some other chunk holds staging (its end frees it); otherwise no end would (a pool
+        full of requests whose sends wait, or its own chunk's earlier write): it goes as slices."""
         while self.waiting:
             one = self.waiting[0]
-            entry = self.open[one.key]
-            staged = None if entry[1] else self.staging.stage(one.label, one.src, one.write.heads)
-            if staged is None and not entry[1] and self.staging.held:
+            staged = self.staging.stage(one.key, one.src, one.write.heads)
+            waiting = {w.key for w in self.waiting}
+            if staged is None and any(k not in waiting for k in self.staging.held):
                 return
             self.waiting.popleft()
-            entry[0] -= 1
-            if not entry[1]:
-                self.stats["unstaged_sends"] += staged is None
-                self._send(one, staged)
+            self.open[one.key][0] -= 1
+            self.stats["unstaged_sends"] += staged is None
+            self._send(one, staged)
             self._settle(one.key)
 
     def _settle(self, key: str) -> None:
@@ -120,15 +117,16 @@ class RankSends:
     def poll(self) -> list[Report]:
         """The chunks every rank has now seen done: (key, "" or why it failed)."""
         for sent in self.transfer.poll().sent:
-            self.staging.release(sent.room)  # nothing of this write is read any more
-            key = sent.room.rpartition(">")[0]
-            entry = self.open.get(key)
+            entry = self.open.get(sent.room)
             if entry is None:
                 continue
             entry[0] -= 1
             if not sent.ok:
                 entry[1] = entry[1] or f"KV transfer failed: {sent.error}"
-            self._settle(key)
-        self._drain()  # reported writes freed their staging
+            self._settle(sent.room)
         local, self.local = self.local, []
-        return self.agree.done(local)
+        done = self.agree.done(local)
+        for key, _ in done:  # read by no rank any more
+            self.staging.release(key)
+        self._drain()
+        return done

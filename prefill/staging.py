@@ -7,7 +7,7 @@ Sent where they lie, those bytes are one descriptor per (layer, K/V, token): mea
 laid out as that decode rank's pages, and sends those as whole page runs.
 
 The staging pages are pages of this rank's own KV pool, taken like a request's (evicting
-cached prefixes if need be) and freed once the chunk's writes are reported: counted in the
+cached prefixes if need be) and freed once the chunk is done on every rank: counted in the
 KV budget, already registered with the transfer agent, no buffer of their own. Seen at the
 slice's width (KVLayout.sliced) each pool page holds k = heads held / slice width staged
 pages, so a chunk of n pages takes ceil(n / k) pool pages, consecutive or not:
@@ -18,7 +18,7 @@ pages, so a chunk of n pages takes ceil(n / k) pool pages, consecutive or not:
     view  (layers, 2, pages * k, P, w, D)     staged pages staged_pages(pool pages, 0, n, k)
 
 A write whose staging finds the pool full waits (prefill/rank_sends.py) until earlier
-writes' reports free theirs; with none in flight, or larger than the whole pool, it goes as
+chunks free theirs; with none other in flight, or larger than the whole pool, it goes as
 slices.
 """
 
@@ -39,7 +39,7 @@ class SliceStaging:
     def __init__(self, cache: CacheManager) -> None:
         self.cache, self.pool = cache, cache.kv_pool
         self.layout = self.pool.layout()
-        self.held: dict[str, list[int]] = {}  # write label -> the pool pages staging it
+        self.held: dict[str, list[int]] = {}  # chunk key -> the pool pages staging its writes
         self.stats = {"staged_sends": 0, "staged_pages": 0}
 
     def _per_page(self, heads: HeadRange) -> int:
@@ -50,7 +50,7 @@ class SliceStaging:
         return -(-pages // self._per_page(heads)) <= self.pool.capacity_tokens // self.layout.page_size
 
     def stage(self, key: str, pages: Sequence[int], heads: HeadRange) -> tuple[KVLayout, list[int]] | None:
-        """Gather `heads` of `pages` into staging pages held under `key` (one write's label):
+        """Gather `heads` of `pages` into staging pages held under `key` (the chunk's):
         (this buffer seen at the slice's width, the staged pages in it, in the order of
         `pages`); None when the pool has no room now."""
         k = self._per_page(heads)
@@ -81,7 +81,7 @@ class SliceStaging:
             torch.cuda.current_stream(buf.device).synchronize()
 
     def release(self, key: str) -> None:
-        """The write `key` is reported (or refused): its staging pages are free."""
+        """Chunk `key` is done on every rank: its staging pages are free."""
         self.cache.free_staging(self.held.pop(key, []))
 
     def check_integrity(self) -> None:
