@@ -53,7 +53,12 @@ done
 if [ -z "${SKIP_KV:-}" ]; then
     step kv-transfer-tests "${KV_LIMIT:-60}" "${PYTEST[@]}" tests/pd/test_kv_transfer.py
     step kv-transfer-bench "${KVB_LIMIT:-60}" python3 bench/kv_transfer.py --device cuda --rounds 5
-    cp docs/results/kv_transfer_cuda.json "$OUT/" 2>/dev/null
+    # Head slices between TP sizes, staged into whole pages either way (docs/tp.md), against the slices.
+    step kv-heads-staged "${KVB_LIMIT:-60}" python3 bench/kv_transfer.py --device cuda --rounds 3 \
+        --decode-heads 0:2 --staged
+    step kv-wider-staged "${KVB_LIMIT:-60}" python3 bench/kv_transfer.py --device cuda --rounds 3 \
+        --prefill-heads 0:2 --staged
+    cp docs/results/kv_transfer_cuda.json docs/results/kv_transfer_*staged_cuda.json "$OUT/" 2>/dev/null
 fi
 # PD on one GPU: the workers' device is `auto`, so on this machine prefill, decode and colocated
 # all run on the GPU (fp32, SDPA) and their KV moves VRAM to VRAM.
