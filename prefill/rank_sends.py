@@ -130,3 +130,10 @@ class RankSends:
             self.staging.release(key)
         self._drain()
         return done
+
+    def status(self) -> dict[str, int]:
+        return {**self.stats, **self.staging.stats}
+
+    def check_integrity(self) -> None:
+        assert not self.open and not self.waiting and not len(self.agree), "chunk sends unreported while idle"
+        self.staging.check_integrity()

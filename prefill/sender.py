@@ -57,8 +57,7 @@ class PrefillSender:
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, Link] = {}  # decode name -> the agents of its ranks this rank writes
-        self.staging = SliceStaging(self.cache)
-        self.sends = RankSends(self.transfer, Agreement(sched.tp), self.staging)
+        self.sends = RankSends(self.transfer, Agreement(sched.tp), SliceStaging(self.cache))
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, Early] = {}
@@ -97,15 +96,12 @@ class PrefillSender:
     def _take_dest(self, og: Outgoing, peer: str, dest: pd.KVDest) -> None:
         P = self.layout.page_size
         n = len(og.req.origin_input_ids)
-        want = -(-n // P) - dest.skip // P
-        if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want:
-            self._end(og, f"decode's pages do not fit this prompt ({len(dest.pages)} pages for "
-                          f"{n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode)")
-            return
-        link = self.peers.get(peer)
-        problem = link.staging.problem(dest.staging, want) if link is not None else None
+        want, link = -(-n // P) - dest.skip // P, self.peers.get(peer)
+        problem = (f"{len(dest.pages)} pages for {n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode"
+                   if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want
+                   else link.staging.problem(dest.staging, want) if link is not None else None)
         if problem is not None:
-            self._end(og, f"decode's staging pages do not fit this prompt ({problem})")
+            self._end(og, f"decode's pages do not fit this prompt ({problem})")
             return
         og.dest, og.peer, og.sent_upto, og.phase = dest, peer, dest.skip, Phase.SENDING
         self.sched.prefill.add(og.req)
@@ -295,12 +291,9 @@ class PrefillSender:
     def status(self) -> dict[str, Any]:
         return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
                 "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, "control_alive": self.channel.alive(),
-                "control_dropped": self.channel.dropped.count, **self.stats, **self.staging.stats,
-                **self.sends.stats}
+                "control_dropped": self.channel.dropped.count, **self.stats, **self.sends.status()}
 
     def check_integrity(self) -> None:
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
-        assert not self.sends.open and not self.sends.waiting and not len(self.sends.agree), \
-            "chunk sends unreported while idle"
-        self.staging.check_integrity()
+        self.sends.check_integrity()
         self.slots.check_integrity(in_use=0)
