@@ -6,6 +6,9 @@ staging free."""
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -127,3 +130,68 @@ def test_a_refused_write_leaves_the_chunks_later_writes_unsent() -> None:
     rs.start("5:1", HALVES, list(range(1, 9)), list(range(20, 28)), b"n", None)
     assert t.sent == []
     assert rs.poll()[0][0] == "5:1" and not rs.open
+
+
+class ThreadRanks:
+    """A TP group of threads: all_gather_bytes meets at a barrier (what gloo does across processes)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.slots, self.barrier = size, [b""] * size, threading.Barrier(size)
+
+    def rank(self, r: int) -> SimpleNamespace:
+        def all_gather_bytes(data: bytes) -> list[bytes]:
+            self.slots[r] = data
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+
+        return SimpleNamespace(size=self.size, rank=r, all_gather_bytes=all_gather_bytes)
+
+
+class LateTransfer(Transfer):
+    """Reports each send `delay` polls after it was made."""
+
+    def __init__(self, delay: int) -> None:
+        super().__init__()
+        self.delay, self.age = delay, 0
+        self.made: list[tuple[int, str]] = []
+
+    def send(self, peer, room, *args, **kw) -> None:
+        super().send(peer, room, *args, **kw)
+        self.made.append((self.age, room))
+
+    def poll(self) -> Events:
+        self.age += 1
+        due = [room for at, room in self.made if self.age - at >= self.delay]
+        self.made = [(at, room) for at, room in self.made if self.age - at < self.delay]
+        return Events(sent=[SendDone(room, True) for room in due])
+
+
+def test_tp_ranks_stage_and_free_alike_whenever_their_own_nixl_reports() -> None:
+    """Prefill TP 2 -> decode TP 4: each prefill rank gathers two slices per chunk. Rank 1's
+    NIXL reports three polls after rank 0's; their pools (what the scheduler decides from)
+    must stay alike all along, and the waiting writes start in the same poll on both."""
+    group = ThreadRanks(2)
+    link = Link((Write(0, 0, (0, 1), True, gather=True), Write(0, 1, (1, 2), True, gather=True)),
+                {0: "d0", 1: "d1"})
+    trace: list[list] = [[], []]
+
+    def rank(r: int) -> None:
+        rs, _ = sends(2)  # one chunk's two halves at a time: later chunks wait
+        rs.transfer = LateTransfer(delay=1 + 3 * r)
+        rs.agree = Agreement(group.rank(r))
+        for c in range(4):
+            rs.start(f"9:{c}", link, [1, 2, 3, 4], [5, 6, 7, 8], b"n", None)
+        for _ in range(30):
+            rs.poll()
+            trace[r].append((rs.staging.cache.allocator.available_size(), len(rs.waiting), sorted(rs.staging.held)))
+        assert not rs.open and not rs.waiting
+        rs.staging.check_integrity()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert trace[0] and trace[0] == trace[1]
