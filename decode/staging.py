@@ -20,14 +20,11 @@ could never fit beside it is sent as slices (KVDest.staging empty).
 
 from __future__ import annotations
 
-import torch
-
+from tandem.engine.kvcache.page_copy import copy_pages
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.parts import Link
 from tandem.pd.transfer.head_map import Staging
-from tandem.pd.transfer.pages import page_runs, staged_pages
-
-MAX_RUN_COPIES = 8  # more runs than this scatter with one indexed copy
+from tandem.pd.transfer.pages import staged_pages
 
 
 class ScatterStaging:
@@ -67,13 +64,7 @@ class ScatterStaging:
             k = lay.num_kv_heads // (hi - lo)
             view = buf.view(L, 2, lay.num_pages * k, P, hi - lo, D)
             staged = staged_pages(staging[w.scatter], 0, len(pages), k)
-            runs = page_runs(staged, pages)
-            if len(runs) <= MAX_RUN_COPIES:
-                for s, d, n in runs:
-                    pool[:, :, d : d + n, :, lo:hi].copy_(view[:, :, s : s + n])
-            else:
-                dev = buf.device
-                pool[:, :, torch.tensor(pages, device=dev), :, lo:hi] = view[:, :, torch.tensor(staged, device=dev)]
+            copy_pages(pool[:, :, :, :, lo:hi], pages, view, staged)
         self.stats["scattered_rooms"] += 1
 
     def free(self, staging: list[list[int]]) -> None:

@@ -13,7 +13,7 @@ slice's width (KVLayout.sliced) each pool page holds k = heads held / slice widt
 pages, so a chunk of n pages takes ceil(n / k) pool pages, consecutive or not:
 
     pool  (layers, 2, pages, P, H, D)         heads [lo, hi) of source pages src[0..n)
-        | one gather (torch: a CPU copy, a GPU kernel)
+        | copy_pages (engine/kvcache/page_copy.py): one strided copy per run
         v
     view  (layers, 2, pages * k, P, w, D)     staged pages staged_pages(pool pages, 0, n, k)
 
@@ -28,11 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine.kvcache.page_copy import copy_pages
 from tandem.engine.scheduler.cache_manager import CacheManager
-from tandem.pd.transfer.pages import page_runs, staged_pages
+from tandem.pd.transfer.pages import staged_pages
 from tandem.protocol.kv_layout import HeadRange, KVLayout
-
-MAX_RUN_COPIES = 8  # more runs than this gather with one indexed copy (a launch or loop each)
 
 
 class SliceStaging:
@@ -70,13 +69,7 @@ class SliceStaging:
         lo, hi = heads[0] - lay.head_start, heads[1] - lay.head_start
         src = buf.view(L, 2, lay.num_pages, P, lay.num_kv_heads, D)[:, :, :, :, lo:hi]
         view = buf.view(L, 2, lay.num_pages * k, P, hi - lo, D)  # the pool at the slice's width
-        runs = page_runs(pages, staged)
-        if len(runs) <= MAX_RUN_COPIES:  # one strided copy per run: a single pass over the bytes
-            for s, d, n in runs:
-                view[:, :, d : d + n].copy_(src[:, :, s : s + n])
-        else:  # scattered: one gather into a temporary, one scatter
-            dev = buf.device
-            view[:, :, torch.tensor(staged, device=dev)] = src[:, :, torch.tensor(list(pages), device=dev)]
+        copy_pages(view, staged, src, pages)
         if buf.is_cuda:  # NIXL reads outside any stream: the gather must have landed
             torch.cuda.current_stream(buf.device).synchronize()
 

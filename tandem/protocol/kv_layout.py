@@ -24,10 +24,26 @@ head ranges may differ; which heads go where is tandem/pd/transfer/head_map.py's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 HeadRange = tuple[int, int]  # [first, end) of the model's KV heads
+Run = tuple[int, int, int]  # (first source page, first destination page, pages)
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
+    """Source page src[i] goes to destination page dst[i]: the runs consecutive on both sides,
+    each moved (or copied) as one piece instead of page by page."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
+    runs: list[Run] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 def shard_heads(total: int, tp_size: int, rank: int) -> HeadRange:

@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 import torch
 
-from tandem.decode.staging import MAX_RUN_COPIES, ScatterStaging
+from tandem.decode.staging import ScatterStaging
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.page_copy import MAX_RUN_COPIES
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.scheduler.cache_manager import CacheManager

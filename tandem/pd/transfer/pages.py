@@ -26,22 +26,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tandem.protocol.kv_layout import HeadRange, KVLayout
+from tandem.protocol.kv_layout import HeadRange, KVLayout, Run, page_runs
 
-Run = tuple[int, int, int]  # (first source page, first destination page, pages)
+__all__ = ["Descs", "Run", "descriptors", "page_runs", "staged_pages"]
+
 Descs = np.ndarray  # (n, 2) uint64: address, bytes
-
-
-def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
-    runs: list[Run] = []
-    for s, d in zip(src, dst):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def descriptors(src_layout: KVLayout, dst_layout: KVLayout, src: Sequence[int], dst: Sequence[int],
