@@ -40,16 +40,17 @@ class ScatterStaging:
         return 0 if need + pages > self.pool.capacity_tokens // self.layout.page_size else need
 
     def reserve(self, staging: Staging, pages: int) -> list[list[int]]:
-        """The staging pages for a room, one list per scatter write; the caller counted
-        pages_needed in the room's budget (so they are there, evicting cached prefixes)."""
-        if not self.pages_needed(staging, pages):
-            self.stats["unstaged_rooms"] += staging.writes > 0
-            return []
-        lists = []
-        for _ in range(staging.writes):
+        """The staging pages for a room, one list per scatter write (the caller counted
+        pages_needed in the room's budget); none, and slices, where the pool still falls short."""
+        lists: list[list[int]] = []
+        for _ in range(staging.writes if self.pages_needed(staging, pages) else 0):
             got = self.cache.alloc_staging(staging.pool_pages(pages))
-            assert got is not None, "the room's staging was counted before reserving"
+            if got is None:
+                self.free(lists)
+                lists = []
+                break
             lists.append(got)
+        self.stats["unstaged_rooms"] += staging.writes > 0 and not lists
         return lists
 
     def scatter(self, link: Link, staging: list[list[int]], pages: list[int]) -> None:

@@ -62,7 +62,7 @@ def test_what_prefill_writes_into_staging_lands_in_the_rooms_heads(room: list[in
     assert c.allocator.available_size() == free and staging.stats["scattered_rooms"] == 1
 
 
-def test_a_room_whose_staging_could_never_fit_goes_as_slices() -> None:
+def test_a_room_whose_staging_cannot_fit_goes_as_slices() -> None:
     c = cache(10)  # 9 usable pages
     staging, plan = ScatterStaging(c), Staging(writes=2, per_page=2, num_pages=10)
     assert staging.pages_needed(plan, 4) == 4  # 2 writes x 2 pool pages, beside the room's 4: fits
@@ -70,6 +70,9 @@ def test_a_room_whose_staging_could_never_fit_goes_as_slices() -> None:
     assert staging.reserve(plan, 6) == [] and staging.stats["unstaged_rooms"] == 1
     assert staging.pages_needed(Staging(), 4) == 0 and staging.reserve(Staging(), 4) == []  # nothing to stage
     assert staging.stats["unstaged_rooms"] == 1
+    c.allocator.alloc_pages(6)  # the pool falls short after all (a budget that counted too much)
+    assert staging.reserve(plan, 4) == [] and staging.stats["unstaged_rooms"] == 2
+    assert c.allocator.available_size() == 3 * PAGE  # nothing kept of a half-reserved room
 
 
 def test_a_staging_list_that_is_not_what_decode_must_send_is_refused() -> None:
