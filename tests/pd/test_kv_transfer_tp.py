@@ -16,13 +16,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kv_caches import cache_over
 from waits import wait_until
 
 from tandem.decode.staging import ScatterStaging
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.kvcache.radix_cache import create_prefix_cache
-from tandem.engine.kvcache.req_table import ReqToTokenPool
-from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd import protocol as pd
 from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import Events
@@ -48,11 +46,6 @@ class Rank:
         if ref is not None:  # (layers, 2, slots, heads, dim): this rank's share of the model's KV
             self.pool.kv_buffer[:, :, : ref.shape[2]].copy_(ref[:, :, :, self.h0 : self.h1])
         self.layout = self.pool.layout()
-
-
-def cache_over(pool: TokenToKVPool) -> CacheManager:
-    table = ReqToTokenPool(4, 64, "cpu")
-    return CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
 
 
 def reference(total: int) -> torch.Tensor:

@@ -11,12 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kv_caches import cache_over
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.kvcache.radix_cache import create_prefix_cache
-from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.parallel.group import SINGLE
-from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.agree import Agreement
 from tandem.pd.parts import Link
 from tandem.pd.transfer.contract import Events, SendDone
@@ -59,8 +57,7 @@ def sends(pool_pages: int) -> tuple[RankSends, Transfer]:
     """Over a pool of `pool_pages` usable pages, 8 of them taken by the requests being sent."""
     pool = TokenToKVPool(num_pages=pool_pages + 9, page_size=PAGE, num_layers=2, num_kv_heads=HEADS, head_dim=8,
                          dtype=torch.bfloat16, device="cpu")
-    table = ReqToTokenPool(4, 64, "cpu")
-    cache = CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
+    cache = cache_over(pool)
     cache.allocator.alloc_pages(8)
     t = Transfer()
     return RankSends(t, Agreement(SINGLE), SliceStaging(cache)), t

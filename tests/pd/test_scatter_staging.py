@@ -11,12 +11,11 @@ import dataclasses
 
 import pytest
 import torch
+from kv_caches import cache_over
 
 from tandem.decode.staging import ScatterStaging
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.page_copy import MAX_RUN_COPIES
-from tandem.engine.kvcache.radix_cache import create_prefix_cache
-from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.parts import Link
 from tandem.pd.transfer.head_map import Staging, plan_writes, staging_of
@@ -30,8 +29,7 @@ def cache(pages: int, heads: tuple[int, int] = (0, HEADS)) -> CacheManager:
     pool = TokenToKVPool(num_pages=pages, page_size=PAGE, num_layers=LAYERS, num_kv_heads=heads[1] - heads[0],
                          head_dim=DIM, dtype=torch.bfloat16, device="cpu", heads=heads, total_kv_heads=HEADS)
     pool.kv_buffer.zero_()
-    table = ReqToTokenPool(4, 64, "cpu")
-    return CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
+    return cache_over(pool)
 
 
 @pytest.mark.parametrize("room", [[3, 4, 5], [9, 2, 7, 8], [1], list(range(1, 2 * MAX_RUN_COPIES + 3, 2))],

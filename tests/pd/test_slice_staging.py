@@ -13,10 +13,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kv_caches import cache_over
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
-from tandem.engine.kvcache.radix_cache import create_prefix_cache
-from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.pd.transfer.pages import descriptors, page_runs, staged_pages
 from tandem.prefill.staging import SliceStaging
@@ -28,8 +27,7 @@ def cache(heads: tuple[int, int] = (0, HEADS), pages: int = 16) -> CacheManager:
     pool = TokenToKVPool(num_pages=pages, page_size=PAGE, num_layers=LAYERS, num_kv_heads=heads[1] - heads[0],
                          head_dim=DIM, dtype=torch.bfloat16, device="cpu", heads=heads, total_kv_heads=HEADS)
     pool.kv_buffer.copy_(torch.randn_like(pool.kv_buffer, dtype=torch.float32).to(torch.bfloat16))
-    table = ReqToTokenPool(4, 64, "cpu")
-    return CacheManager(table, pool, create_prefix_cache(False, table, pool.allocator, PAGE))
+    return cache_over(pool)
 
 
 def page_bytes_at(lay, pages: list[int]) -> torch.Tensor:
