@@ -62,7 +62,7 @@ class ScatterStaging:
             if w.scatter is None:
                 continue
             lo, hi = w.heads[0] - lay.head_start, w.heads[1] - lay.head_start
-            k = lay.num_kv_heads // (hi - lo)
+            k = lay.slices_per_page(w.heads)
             view = buf.view(L, 2, lay.num_pages * k, P, hi - lo, D)
             staged = staged_pages(staging[w.scatter], 0, len(pages), k)
             copy_pages(pool[:, :, :, :, lo:hi], pages, view, staged)

@@ -41,18 +41,15 @@ class SliceStaging:
         self.held: dict[str, list[int]] = {}  # chunk key -> the pool pages staging its writes
         self.stats = {"staged_sends": 0, "staged_pages": 0}
 
-    def _per_page(self, heads: HeadRange) -> int:
-        return self.layout.num_kv_heads // (heads[1] - heads[0])
-
     def fits(self, pages: int, heads: HeadRange) -> bool:
         """Whether `pages` pages of `heads` can ever be staged (the pool empty): else slices."""
-        return -(-pages // self._per_page(heads)) <= self.pool.capacity_tokens // self.layout.page_size
+        return -(-pages // self.layout.slices_per_page(heads)) <= self.pool.capacity_tokens // self.layout.page_size
 
     def stage(self, key: str, pages: Sequence[int], heads: HeadRange) -> tuple[KVLayout, list[int]] | None:
         """Gather `heads` of `pages` into staging pages held under `key` (the chunk's):
         (this buffer seen at the slice's width, the staged pages in it, in the order of
         `pages`); None when the pool has no room now."""
-        k = self._per_page(heads)
+        k = self.layout.slices_per_page(heads)
         got = self.cache.alloc_staging(-(-len(pages) // k))
         if got is None:
             return None

@@ -76,7 +76,6 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.intermediate = intermediate
         self.tp = tp
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)

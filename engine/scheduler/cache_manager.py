@@ -137,9 +137,8 @@ class CacheManager:
         return None if got is None else got.tolist()
 
     def free_staging(self, pages: list[int]) -> None:
-        if pages:
-            P = self.page_size
-            self.allocator.free((torch.tensor(pages, dtype=torch.int64)[:, None] * P + torch.arange(P)).flatten())
+        """Pages alloc_staging gave out (the allocator frees a page by any of its slots: the first)."""
+        self.allocator.free(torch.tensor(pages, dtype=torch.int64) * self.page_size)
 
     # ---- release --------------------------------------------------------------------------
     def release(self, req: Req) -> None:

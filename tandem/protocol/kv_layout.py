@@ -124,17 +124,22 @@ class KVLayout:
             raise IndexError(f"page ({layer}, {kv}, {page}) outside the layout")
         return self.base_ptr + layer * self.layer_stride + kv * self.kv_stride + page * self.page_bytes
 
-    def sliced(self, heads: HeadRange) -> KVLayout:
-        """This buffer seen as pages of `heads` alone, as a PD role stages a head slice
-        (prefill/staging.py): each of its pages holds k = num_kv_heads / width such pages,
-        page v at the (v % k)-th k-th of page v // k, in every layer and K/V. Same bytes, same
-        address range; what the staged pages hold is the slice, packed."""
+    def slices_per_page(self, heads: HeadRange) -> int:
+        """k: how many pages of `heads` alone one page of this buffer holds (sliced())."""
         width = heads[1] - heads[0]
         if not (0 < width <= self.num_kv_heads and self.num_kv_heads % width == 0 and 0 <= heads[0]
                 and heads[1] <= self.total_heads):
             raise ValueError(f"KV heads [{heads[0]}, {heads[1]}) do not divide this buffer's {self.num_kv_heads}")
-        return replace(self, num_kv_heads=width, head_start=heads[0], total_kv_heads=self.total_heads,
-                       num_pages=self.num_pages * (self.num_kv_heads // width))
+        return self.num_kv_heads // width
+
+    def sliced(self, heads: HeadRange) -> KVLayout:
+        """This buffer seen as pages of `heads` alone, as a PD role stages a head slice
+        (prefill/staging.py): each of its pages holds k = slices_per_page(heads) such pages,
+        page v at the (v % k)-th k-th of page v // k, in every layer and K/V. Same bytes, same
+        address range; what the staged pages hold is the slice, packed."""
+        k = self.slices_per_page(heads)
+        return replace(self, num_kv_heads=heads[1] - heads[0], head_start=heads[0], total_kv_heads=self.total_heads,
+                       num_pages=self.num_pages * k)
 
     def mismatch(self, other: KVLayout) -> list[str]:
         """What stops pages of `self` from being written into `other` as they are. Memory types

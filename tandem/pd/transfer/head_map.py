@@ -13,8 +13,8 @@ TP=2 -> decode TP=1: (0 -> 0, [0, 2)), (1 -> 0, [2, 4)).
 
 Where the TP sizes nest (one divides the other, as powers of two do) a slice is all of one
 side's heads; otherwise (6 heads over TP 2 and TP 3) it may be neither, and goes as per-token
-descriptors. Where it is all the decode rank
-holds but part of the prefill rank's (prefill TP 1 -> decode TP 2) the write is `gather`:
+descriptors. Where it is all the decode rank holds but part of the prefill rank's
+(prefill TP 1 -> decode TP 2) the write is `gather`:
 the sender packs it into staging pages first (prefill/staging.py). Where it is all the
 prefill rank holds but part of the decode rank's (prefill TP 2 -> decode TP 1) it is
 `scatter`: decode reserves staging pages for it (KVDest.staging, one list per scatter write
@@ -79,13 +79,12 @@ def staging_of(writes: Sequence[Write], decode: Sequence[KVLayout]) -> Staging:
     """The Staging of a whole plan (every write, every decode rank's layout). Decode ranks
     allocate in lockstep, so staging needs every rank's scatter writes alike: as many, all of
     one width that divides the rank's heads; else none is staged (they go as slices)."""
-    widths = {d: sorted(w.heads[1] - w.heads[0] for w in writes if w.decode == d and w.scatter is not None)
-              for d in range(len(decode))}
-    first = widths[0]
-    if not first or any(v != first for v in widths.values()) or len(set(first)) != 1 \
-            or any(lay.num_kv_heads % first[0] or lay.num_pages != decode[0].num_pages for lay in decode):
+    mine = [[w for w in writes if w.decode == d and w.scatter is not None] for d in range(len(decode))]
+    widths = {w.heads[1] - w.heads[0] for ws in mine for w in ws}
+    if not mine[0] or len({len(ws) for ws in mine}) != 1 or len(widths) != 1 \
+            or len({(lay.num_kv_heads, lay.num_pages) for lay in decode}) != 1 or decode[0].num_kv_heads % min(widths):
         return Staging()
-    return Staging(len(first), decode[0].num_kv_heads // first[0], decode[0].num_pages)
+    return Staging(len(mine[0]), decode[0].slices_per_page(mine[0][0].heads), decode[0].num_pages)
 
 
 def plan_writes(prefill: Sequence[KVLayout], decode: Sequence[KVLayout]) -> list[Write]:
