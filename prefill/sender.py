@@ -97,9 +97,10 @@ class PrefillSender:
         P = self.layout.page_size
         n = len(og.req.origin_input_ids)
         want, link = -(-n // P) - dest.skip // P, self.peers.get(peer)
-        problem = (f"{len(dest.pages)} pages for {n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode"
-                   if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want
-                   else link.staging.problem(dest.staging, want) if link is not None else None)
+        if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want:
+            problem = f"{len(dest.pages)} pages for {n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode"
+        else:  # and the staging pages for head slices it scatters (head_map.Staging)
+            problem = link.staging.problem(dest.staging, want) if link is not None else None
         if problem is not None:
             self._end(og, f"decode's pages do not fit this prompt ({problem})")
             return
