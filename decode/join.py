@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from tandem.engine.scheduler.output_processor import accept_grammar_token
 from tandem.engine.scheduler.req import Req, ReqStatus
@@ -30,6 +30,6 @@ def start_decoding(sched: Scheduler, req: Req, token: int, logprob: float | None
         sched.output.finish(req, reason)
         sched.reqs.pop(req.rid, None)
     else:
-        ids = torch.tensor([token], dtype=torch.int64)
+        ids = np.array([token], dtype=np.int64)
         sched.decode.running_batch.merge_batch(ScheduleBatch([req], output_ids=ids))
     sched.output.stream([req])

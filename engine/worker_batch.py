@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.grammar.batch_mask import BatchMask
@@ -20,11 +20,11 @@ from tandem.engine.sampling_params import SamplingParams
 @dataclass
 class ModelWorkerBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor  # (tokens,) int64; negative entries are future references
+    input_ids: np.ndarray  # (tokens,) int64; negative entries are future references
     req_pool_indices: list[int]
     prefix_lens: list[int]
     extend_lens: list[int]
-    out_cache_loc: torch.Tensor
+    out_cache_loc: np.ndarray  # (tokens,) int64
     num_extend_reqs: int
     sampling_params: list[SamplingParams]
     sample_positions: list[int]  # output index of the token each request samples

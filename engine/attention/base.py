@@ -17,8 +17,8 @@ Contract (tests/engine/test_attention_contract.py runs it against every backend)
 - EXTEND and MIXED batches go to `forward_extend`, DECODE to `forward_decode`.
 
 A backend whose decode can be captured in a CUDA graph sets `supports_cuda_graph` and
-implements the three graph hooks (runner/cuda_graph_runner.py drives them): its
-captured kernels may read only the static batch and buffers made by `graph_states`.
+implements the graph hooks (runner/cuda_graph_runner.py drives them): its captured
+kernels may read only the static batch and buffers made by `graph_states`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,14 @@ class AttentionBackend(ABC):
         raise NotImplementedError
 
     def plan_graph_decode(self, state: object, batch: ForwardBatch) -> None:
-        """Fill `state` for `batch` (a static, padded decode batch); runs outside the graph."""
+        """Plan `state` for `batch` (a static, padded decode batch, its host lists current); runs
+        outside the graph, before every replay."""
         raise NotImplementedError
+
+    def graph_decode_metadata(self, state: object, batch: ForwardBatch) -> None:
+        """Captured inside the graph before layer 0: whatever `state` needs computed on the device
+        from the static batch's device tensors (the default: nothing)."""
+        return None
 
     def use_graph_state(self, state: object | None) -> None:
         """Decode forwards read `state` (None: back to the eager metadata)."""

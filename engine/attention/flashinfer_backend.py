@@ -26,8 +26,12 @@ buffers (runner/cuda_graph_runner.py).
 
 from __future__ import annotations
 
+import importlib
 import itertools
+from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from tandem.engine.attention import page_gather
@@ -53,11 +57,34 @@ def page_indices(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
 
 
 def host_page_counts(seq_lens_cpu: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indptr, last_page_len) as int32 CPU tensors."""
-    counts = [-(-s // page_size) for s in seq_lens_cpu]
-    indptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
-    last = torch.tensor([(s - 1) % page_size + 1 for s in seq_lens_cpu], dtype=torch.int32)
-    return indptr, last
+    """(indptr, last_page_len) as int32 CPU tensors, made by numpy (this runs every step: no torch op)."""
+    seq = np.asarray(seq_lens_cpu, dtype=np.int32)
+    indptr = np.zeros(len(seq) + 1, dtype=np.int32)
+    np.cumsum((seq + page_size - 1) // page_size, out=indptr[1:])
+    return torch.from_numpy(indptr), torch.from_numpy((seq - 1) % page_size + 1)
+
+
+@dataclass(eq=False)
+class GraphDecodeState:
+    """One bucket's decode wrapper and the fixed buffers it reads (shared with every bucket): the
+    graph fills them (`graph_decode_metadata`), the host only plans."""
+
+    wrapper: object
+    indptr: torch.Tensor  # (bs + 1,) int32
+    indices: torch.Tensor  # (max_bs * max_pages,) int32
+    last: torch.Tensor  # (bs,) int32
+    planned: bool = False
+
+
+def fast_decode_plan(flashinfer: object) -> object | None:
+    """FlashInfer's own re-plan for CUDA-graph decode wrappers (flashinfer.decode.fast_decode_plan,
+    what SGLang serves with): the schedule from host indptr / last_page_len, without copying the
+    index tables into the fixed buffers (the graph fills those itself) and without the checks
+    of a first plan. None where FlashInfer has none: every plan is then a full one."""
+    try:
+        return getattr(importlib.import_module(f"{flashinfer.__name__}.decode"), "fast_decode_plan", None)
+    except ImportError:
+        return None
 
 
 def graph_index_buffers(max_bs: int, max_pages: int, device: torch.device | str) -> list[torch.Tensor]:
@@ -104,6 +131,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._events = torch.get_device_module(torch.device(ctx.device))
         self._planned: dict[int, torch.cuda.Event | torch.cpu.Event] = {}
         self._one_launch = page_gather.available(torch.device(ctx.device))  # the page table in one kernel
+        self._fast_plan = fast_decode_plan(flashinfer)
 
     # ---- plans -------------------------------------------------------------------------------
     def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,7 +143,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             return indptr, page_gather.gather_page_indices(table, batch.req_pool_indices, indptr, total, P), last
         return indptr, page_indices(table, batch.req_pool_indices, batch.seq_lens, total, P), last
 
-    def _fenced_plan(self, wrapper: object, *args: object, **kw: object) -> None:
+    def _fenced_plan(self, wrapper: object, *args: object, plan: object = None, **kw: object) -> None:
         """plan() fills a pinned host buffer and queues its copy to the device without waiting.
         Planning the same wrapper again before that copy ran would overwrite the buffer under it,
         so wait for the previous plan's copy first: the host stays at most one step ahead of
@@ -123,17 +151,19 @@ class FlashInferAttentionBackend(AttentionBackend):
         done = self._planned.get(id(wrapper))
         if done is not None:
             done.synchronize()
-        wrapper.plan(*args, **kw)  # type: ignore[attr-defined]
+        (plan or wrapper.plan)(*args, **kw)  # type: ignore[attr-defined, operator]
         done = self._events.Event()
         done.record()
         self._planned[id(wrapper)] = done
 
-    def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
+    def _plan_decode(self, wrapper: object, batch: ForwardBatch, tables: tuple | None = None,
+                     plan: object = None) -> None:
         ctx = self.ctx
-        indptr, indices, last = self._table(batch)
+        indptr, indices, last = tables or self._table(batch)
         self._fenced_plan(
             wrapper, indptr, indices, last, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.page_size,
-            pos_encoding_mode="NONE", q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype, sm_scale=ctx.scaling,
+            plan=plan, pos_encoding_mode="NONE", q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype,
+            sm_scale=ctx.scaling,
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -163,17 +193,43 @@ class FlashInferAttentionBackend(AttentionBackend):
         runs at a time and plans are stream-ordered, so sharing is safe and the page-index
         buffer (max_bs * max_pages entries) exists once, not once per bucket."""
         indptr, indices, last = graph_index_buffers(max(buckets), max_pages, self.ctx.device)
-        return {bs: self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        return {bs: GraphDecodeState(self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
             paged_kv_indptr_buffer=indptr[: bs + 1], paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last[:bs],
-        ) for bs in buckets}
+        ), indptr[: bs + 1], indices, last[:bs]) for bs in buckets}
 
     def plan_graph_decode(self, state: object, batch: ForwardBatch) -> None:
-        self._plan_decode(state, batch)
+        """Outside the graph, every replay: the kernels' schedule from the host's lengths. The first
+        plan of a bucket (at capture) is FlashInfer's full one; later ones its fast re-plan, which
+        leaves the index tables to the graph (`graph_decode_metadata`)."""
+        st: GraphDecodeState = state  # type: ignore[assignment]
+        if not st.planned or self._fast_plan is None:
+            self._plan_decode(st.wrapper, batch)
+            st.planned = True
+            return
+        indptr, last = host_page_counts(batch.seq_lens_cpu, self.ctx.page_size)
+        self._plan_decode(st.wrapper, batch, (indptr, st.indices, last), plan=partial(self._fast_plan, st.wrapper))
+
+    def graph_decode_metadata(self, state: object, batch: ForwardBatch) -> None:
+        """Inside the graph, before layer 0: the bucket's indptr, last-page lengths and page indices
+        from the static batch's device lengths and rows, into the fixed buffers its kernels read.
+        The same values as the host's plan, derived from the same lengths (graph_inputs.py)."""
+        st: GraphDecodeState = state  # type: ignore[assignment]
+        P, bs = self.ctx.page_size, batch.batch_size
+        seq = batch.seq_lens
+        st.indptr[:1].zero_()
+        torch.cumsum((seq + P - 1) // P, 0, dtype=torch.int32, out=st.indptr[1:])
+        st.last.copy_((seq - 1) % P + 1)
+        table = self.ctx.req_to_token_pool.req_to_token
+        if self._one_launch:
+            page_gather.gather_into(table, batch.req_pool_indices, st.indptr, st.indices, P, bs)
+        else:  # the CPU tests' path: a total known only from the device (no graph to break here)
+            total = int(st.indptr[-1])
+            st.indices[:total].copy_(page_indices(table, batch.req_pool_indices, seq, total, P))
 
     def use_graph_state(self, state: object | None) -> None:
-        self.active_decode_wrapper = state if state is not None else self.decode_wrapper
+        self.active_decode_wrapper = state.wrapper if state is not None else self.decode_wrapper  # type: ignore[attr-defined]
 
     # ---- forward -----------------------------------------------------------------------------
     def _paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,11 +46,19 @@ def gather_page_indices(table: torch.Tensor, rows: torch.Tensor, indptr: torch.T
                         page_size: int) -> torch.Tensor:
     """(total,) int32 page numbers of every request, on the table's device. `indptr` is the
     host indptr (int32, batch + 1); `rows` the requests' rows of `table` on its device."""
-    assert triton is not None, "Triton is not installed"
     out = torch.empty(total, dtype=torch.int32, device=table.device)
     batch = len(indptr) - 1
     if batch == 0 or total == 0:
         return out
-    dev_indptr = indptr.to(table.device, non_blocking=True)
-    _gather[(batch,)](table, table.stride(0), rows, dev_indptr, out, page_size, BLOCK=BLOCK)
+    gather_into(table, rows, indptr.to(table.device, non_blocking=True), out, page_size, batch)
     return out
+
+
+def gather_into(table: torch.Tensor, rows: torch.Tensor, dev_indptr: torch.Tensor, out: torch.Tensor,
+                page_size: int, batch: int) -> None:
+    """The kernel alone, over device tensors only: `out[indptr[i]:indptr[i+1]]` for i < batch. It needs
+    no host value but the batch size, so a CUDA graph captures it (flashinfer_backend's in-graph
+    decode metadata)."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    _gather[(batch,)](table, table.stride(0), rows, dev_indptr, out, page_size, BLOCK=BLOCK)

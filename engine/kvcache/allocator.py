@@ -22,6 +22,7 @@ forward) under N's. The owner (scheduler/cache_manager.py) reclaims once N has c
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -110,19 +111,20 @@ class PageAllocator:
             return torch.empty(0, dtype=torch.int64)
         return torch.cat(out)
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_locs: torch.Tensor) -> torch.Tensor | None:
-        """One slot per request for the token at position seq_len-1 (seq_len counts it).
-
-        Vectorised: a request whose new position starts a page ((seq_len-1) % P == 0)
-        takes a fresh page; every other one writes the slot after its last."""
+    def alloc_decode(self, seq_lens: np.ndarray, last_locs: np.ndarray) -> np.ndarray | None:
+        """One slot per request for the token at position seq_len-1 (seq_len counts it), as int64
+        numpy: this runs every decode step, and numpy on a few hundred ints costs the host a
+        fraction of what torch ops do. A request whose new position starts a page
+        ((seq_len-1) % P == 0) takes a fresh page; every other one writes the slot after its last."""
         P = self.page_size
         starts_page = (seq_lens - 1) % P == 0
         n_new = int(starts_page.sum())
-        pages = self.alloc_pages(n_new) if n_new else torch.empty(0, dtype=torch.int64)
-        if pages is None:
-            return None
-        slots = last_locs.to(torch.int64) + 1
-        slots[starts_page] = pages * P
+        slots = last_locs.astype(np.int64) + 1
+        if n_new:
+            pages = self.alloc_pages(n_new)
+            if pages is None:
+                return None
+            slots[starts_page] = pages.numpy() * P
         return slots
 
     # ---- freeing ---------------------------------------------------------------------

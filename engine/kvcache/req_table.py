@@ -8,6 +8,7 @@ a row's entries, never its ownership.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -27,14 +28,19 @@ class ReqToTokenPool:
                  host_mirror: bool | None = None) -> None:
         self.size = size
         self.max_context_len = max_context_len
+        # One row past the handed-out ones, never allocated and all zeros (KV page 0, reserved):
+        # the padded rows of a graph-captured decode batch read and write it (runner/graph_inputs.py).
+        self.scratch_row = size
         # int32 because FlashInfer's page tables are int32 and it halves gather traffic.
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         # The scheduler reads rows on the host (a request's last slot every decode step, its
         # slots when it finishes); from a GPU table each read would stall on the device. So off
         # the CPU the host keeps a mirror, written with every write, and reads go to it. Slots
         # reach the table from the allocator and from mirror rows: host tensors, never a sync.
         mirror = torch.device(device).type != "cpu" if host_mirror is None else host_mirror
-        self.host = torch.zeros((size, max_context_len), dtype=torch.int32) if mirror else self.req_to_token
+        self.host = torch.zeros((size + 1, max_context_len), dtype=torch.int32) if mirror else self.req_to_token
+        self.mirrored = self.host is not self.req_to_token
+        self.host_np = self.host.numpy()  # the scheduler's per-step reads and writes: numpy, no torch op
         self._next_check_row = 0
         self._free: list[int] = list(range(size))
         self._held: list[int] = []
@@ -62,19 +68,24 @@ class ReqToTokenPool:
         """req_to_token[row, start : start + len(slots)] = slots, on the device and the host."""
         host = slots.to("cpu", torch.int32)
         self.host[row, start : start + host.numel()] = host
-        if self.host is not self.req_to_token:
+        if self.mirrored:
             # non_blocking: a pageable source is staged at once, and the forward's stream waits
             # for this one at launch (model_worker.StreamHandoff)
             self.req_to_token[row, start : start + host.numel()] = host.to(self.req_to_token.device, non_blocking=True)
 
-    def write_cells(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], cols[i]] = slots[i] (host tensors), on the device and the host."""
-        host = slots.to(torch.int32)
-        self.host[rows, cols] = host
-        if self.host is not self.req_to_token:
-            dev = self.req_to_token.device
-            self.req_to_token[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = host.to(
-                dev, non_blocking=True)
+    def write_decode_cells(self, rows: np.ndarray, cols: np.ndarray, slots: np.ndarray) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] for one decode step, on the host. On a mirrored
+        table the device's cells are written by the forward that decodes them
+        (ModelRunner.write_decode_cells): it has rows, positions and slots on the device already,
+        so the step costs no copy of its own, and under CUDA graphs no host op at all."""
+        self.host_np[rows, cols] = slots
+
+    def sync_rows(self, rows: list[int]) -> None:
+        """The device's copy of `rows` from the mirror: after a decode batch failed, its forward
+        may not have written its cells (rare; a few rows)."""
+        if self.mirrored and rows:
+            idx = torch.tensor(rows, dtype=torch.int64)
+            self.req_to_token[idx.to(self.req_to_token.device)] = self.host[idx].to(self.req_to_token.device)
 
     def _check_mirror(self, max_bytes: int = 64 << 20) -> None:
         """The mirror equals the table: all of it when that is small, else 8 rows in turn per
@@ -87,7 +98,7 @@ class ReqToTokenPool:
             "host mirror differs from req_to_token")
 
     def check_integrity(self, in_use: int | None = None) -> None:
-        if self.host is not self.req_to_token:
+        if self.mirrored:
             self._check_mirror()
         released = self._free + self._held
         assert len(set(released)) == len(released), "request slot freed twice"

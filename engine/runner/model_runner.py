@@ -25,6 +25,7 @@ from tandem.engine.models import layer_ops_choice
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.parallel.group import SINGLE, TPGroup
+from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.graph_memory import graph_memory
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
@@ -118,6 +119,9 @@ class ModelRunner:
         self.kv_pool = memory.kv_pool
         config, mc = self.config, self.model_config
         self.attn_backend = create_backend(config.attention_backend, self)
+        # The overlap loop's future ids live here, not in the scheduler: graph replays resolve
+        # and store them inside the graph (runner/graph_inputs.py).
+        self.future_map = FutureMap(config.max_running_requests, self.device)
         self.graph_runner = None
         if self.plans_cuda_graphs():  # decided once: the pool was sized around the graphs
             assert self.attn_backend.supports_cuda_graph
@@ -154,8 +158,22 @@ class ModelRunner:
         forwards clones them (a copy per step would cost bandwidth the decode roofline counts)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        self.write_decode_cells(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
+
+    def write_decode_cells(self, batch: ForwardBatch) -> None:
+        """The device's table cells of the batch's decode tokens, where the host keeps a mirror:
+        the scheduler writes only the mirror for them (ReqToTokenPool.write_decode_cells). Extend
+        tokens' cells were written by the scheduler on both; a MIXED batch's decodes are its tail."""
+        pool = self.req_to_token_pool
+        n = batch.batch_size - batch.num_extend_reqs
+        if not pool.mirrored or n == 0 or batch.mode == ForwardMode.EXTEND:
+            return
+        rows, pos, locs = batch.req_pool_indices, batch.positions, batch.out_cache_loc
+        if n != batch.batch_size:
+            rows, pos, locs = rows[-n:], pos[-n:], locs[-n:]
+        pool.req_to_token[rows, pos] = locs.to(pool.req_to_token.dtype)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> SampleOutput:

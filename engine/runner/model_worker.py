@@ -15,11 +15,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.engine.device_map import bind_device
-from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.sampler import SampleOutput, SamplingBatch
@@ -58,31 +60,65 @@ class ModelWorker:
         self.runner = runner
 
     def forward_batch_generation(
-        self, mwb: ModelWorkerBatch, future_map: FutureMap | None = None, future_idx: torch.Tensor | None = None
+        self, mwb: ModelWorkerBatch, future_map: FutureMap | None = None, future_slots: range | None = None
     ) -> GenerationBatchResult:
         start = time.perf_counter()
+        graphs = self.runner.graph_runner
+        if mwb.mode == ForwardMode.DECODE and graphs is not None and len(mwb.req_pool_indices) <= graphs.max_bs:
+            out = self._graph_decode(mwb, graphs, future_map, future_slots)
+        else:
+            out = self._forward(mwb, future_map, future_slots)
+        return self._to_host(out, mwb, start)
+
+    def _graph_decode(self, mwb: ModelWorkerBatch, graphs: Any, future_map: FutureMap | None,
+                      future_slots: range | None) -> SampleOutput:
+        """A decode step as one replay: its futures resolved, its greedy samples taken and stored
+        inside the graph (runner/graph_inputs.py). Other sampling runs on the logits after it."""
+        logits, greedy = graphs.decode(mwb.input_ids, np.asarray(mwb.prefix_lens, dtype=np.int64),
+                                       mwb.out_cache_loc, np.asarray(mwb.req_pool_indices, dtype=np.int64),
+                                       future_slots if future_map is not None else None)
+        sb = SamplingBatch.from_params(mwb.sampling_params, self.runner.vocab_size, self.runner.device)
+        if mwb.grammar is None and sb.all_greedy and not sb.return_logprob and not sb.top_logprobs_num:
+            return SampleOutput(greedy)
+        return self._sample(mwb, logits, sb, future_map, future_slots)
+
+    def _forward(self, mwb: ModelWorkerBatch, future_map: FutureMap | None,
+                 future_slots: range | None) -> SampleOutput:
         dev = self.runner.device
-        input_ids = mwb.input_ids.to(dev, non_blocking=True)
+        input_ids = torch.from_numpy(mwb.input_ids).to(dev, non_blocking=True)
         if future_map is not None:
             input_ids = future_map.resolve(input_ids)
         fb = ForwardBatch.build(
             mwb.mode, input_ids, mwb.req_pool_indices, mwb.prefix_lens, mwb.extend_lens,
-            mwb.out_cache_loc, dev, num_extend_reqs=mwb.num_extend_reqs,
+            torch.from_numpy(mwb.out_cache_loc), dev, num_extend_reqs=mwb.num_extend_reqs,
         )
         logits = self.runner.forward(fb)
+        sb = SamplingBatch.from_params(mwb.sampling_params, self.runner.vocab_size, dev)
+        return self._sample(mwb, logits, sb, future_map, future_slots)
+
+    def _sample(self, mwb: ModelWorkerBatch, logits: torch.Tensor, sb: SamplingBatch,
+                future_map: FutureMap | None, future_slots: range | None) -> SampleOutput:
         if mwb.grammar is not None:
             mwb.grammar.apply(logits)  # under overlap: waits until batch N-1 is processed
-        sb = SamplingBatch.from_params(mwb.sampling_params, self.runner.vocab_size, dev)
+        dev = self.runner.device
         positions = torch.tensor(mwb.sample_positions, dtype=torch.int64).to(dev, non_blocking=True)
         out = self.runner.sample(logits, sb, positions)
-        if future_map is not None and future_idx is not None:
-            future_map.store(future_idx, out.next_token_ids)
+        if future_map is not None and future_slots is not None:
+            future_map.store(future_slots, out.next_token_ids)
+        return out
+
+    def _to_host(self, out: SampleOutput, mwb: ModelWorkerBatch, start: float) -> GenerationBatchResult:
+        """The step's only device-to-host copy: the sampled ids (and logprobs when asked), behind an
+        event on CUDA. The ids may be a view of a graph's static output, which the next replay
+        overwrites: on CPU they are copied too, before the overlap loop launches that replay."""
         copy_done = None
-        if dev.type == "cuda":
+        if self.runner.device.type == "cuda":
             out = SampleOutput(*(t.to("cpu", non_blocking=True) if t is not None else None for t in (
                 out.next_token_ids, out.logprobs, out.top_logprobs, out.top_ids)))
             copy_done = torch.cuda.Event()
             copy_done.record()
+        elif self.runner.graph_runner is not None:
+            out.next_token_ids = out.next_token_ids.clone()
         return GenerationBatchResult(out, mwb.return_logprob, copy_done, start, time.perf_counter())
 
 
@@ -122,12 +158,12 @@ class OverlapWorker:
         self._stream = torch.cuda.Stream() if worker.runner.device.type == "cuda" else None
         self._thread.start()
 
-    def launch(self, mwb: ModelWorkerBatch) -> tuple[Future, torch.Tensor]:
+    def launch(self, mwb: ModelWorkerBatch) -> tuple[Future, np.ndarray]:
         """Queue the forward; return its future result and the batch's future ids (negative)."""
-        idx = self.future_map.alloc(len(mwb.req_pool_indices))
+        slots = self.future_map.alloc(len(mwb.req_pool_indices))
         fut: Future = Future()
-        self._jobs.put((mwb, idx, fut, self.handoff.mark()))
-        return fut, -idx
+        self._jobs.put((mwb, slots, fut, self.handoff.mark()))
+        return fut, self.future_map.ids(slots)
 
     def _run(self) -> None:
         bind_device(self.worker.runner.device)
@@ -139,10 +175,10 @@ class OverlapWorker:
                 job = self._jobs.get()
                 if job is None:
                     return
-                mwb, idx, fut, ready = job
+                mwb, slots, fut, ready = job
                 try:
                     self.handoff.wait(ready)
-                    fut.set_result(self.worker.forward_batch_generation(mwb, self.future_map, idx))
+                    fut.set_result(self.worker.forward_batch_generation(mwb, self.future_map, slots))
                 except BaseException as exc:  # surfaced to the scheduler at .result()
                     fut.set_exception(exc)
 

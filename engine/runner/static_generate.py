@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
@@ -54,7 +55,8 @@ class StaticBatch:
         last = [s.slots[-1] if s.slots else 0 for s in seqs]
         alloc = self.runner.kv_pool.allocator
         if all(e == 1 for e in extend) and all(prefix):
-            loc = alloc.alloc_decode(torch.tensor(prefix) + 1, torch.tensor(last))
+            got = alloc.alloc_decode(np.array(prefix, dtype=np.int64) + 1, np.array(last, dtype=np.int64))
+            loc = None if got is None else torch.from_numpy(got)
         else:
             loc = alloc.alloc_extend(prefix, extend, last)
         if loc is None:

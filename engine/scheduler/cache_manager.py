@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
@@ -115,14 +116,15 @@ class CacheManager:
     def decode_pages_needed(self, reqs: list[Req]) -> int:
         return sum(self.allocator.pages_needed(r.kv_committed_len, 1) for r in reqs)
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
-        """One slot per request, for the position after its committed KV."""
+    def alloc_decode(self, reqs: list[Req]) -> np.ndarray:
+        """One slot per request, for the position after its committed KV (int64)."""
         self._ensure_free(self.decode_pages_needed(reqs))
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        cols = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-        slots = self.allocator.alloc_decode(cols + 1, self.req_to_token[rows, cols - 1])
-        assert slots is not None
-        self.req_to_token_pool.write_cells(rows, cols, slots)
+        rows = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=len(reqs))
+        cols = np.fromiter((r.kv_committed_len for r in reqs), dtype=np.int64, count=len(reqs))
+        slots = self.allocator.alloc_decode(cols + 1, self.req_to_token_pool.host_np[rows, cols - 1])
+        if slots is None:  # _ensure_free made room: only a corrupted allocator gets here
+            raise OutOfKV(f"no slots for {len(reqs)} decode tokens after making room")
+        self.req_to_token_pool.write_decode_cells(rows, cols, slots)
         for r in reqs:
             r.kv_committed_len += 1
         return slots
@@ -164,6 +166,9 @@ class CacheManager:
         prefix = len(req.prefix_indices)  # page-aligned: the rest of the row is whole pages
         self.allocator.free(self.req_to_token[req.req_pool_idx, prefix : req.kv_committed_len].to(torch.int64))
         self.tree.dec_lock_ref(req.last_node)
+        # A failed decode step may never have written its cells on the device (the forward writes
+        # them: ModelRunner.write_decode_cells); the mirror's row is the truth.
+        self.req_to_token_pool.sync_rows([req.req_pool_idx])
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.kv_committed_len = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from tandem.engine.scheduler.grammar_manager import fill_or_fail
 
@@ -40,7 +40,7 @@ def event_loop_normal(s: Scheduler) -> None:
                 result = s.run_batch(batch)
                 t2 = time.perf_counter()
                 s.process_batch_result(batch, result)
-                batch.output_ids = torch.tensor(result.next_token_ids, dtype=torch.int64)
+                batch.output_ids = np.array(result.next_token_ids, dtype=np.int64)
                 s.metrics.on_overhead(batch, (t1 - t0) + (time.perf_counter() - t2))
         else:
             s.self_check_during_idle()

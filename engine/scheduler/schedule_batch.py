@@ -6,6 +6,10 @@
 real id once results are processed, or a negative FutureMap index while the
 step that samples it is still in flight (overlap mode).
 
+Per-token arrays (input ids, output ids, KV slots) are int64 numpy on the host: a decode
+step builds them every iteration, and numpy costs the host a fraction of a torch op each;
+the forward thread turns them into device tensors (runner/model_worker.py).
+
 The methods that build a batch's inputs from its requests are @traced: a failure in one
 names the batch's requests, which then fail alone (batch_faults.py).
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.scheduler.batch_faults import traced
@@ -27,11 +31,11 @@ from tandem.engine.worker_batch import ModelWorkerBatch
 class ScheduleBatch:
     reqs: list[Req]
     mode: ForwardMode = ForwardMode.DECODE
-    output_ids: torch.Tensor | None = None  # (batch,) next decode input per request
-    input_ids: torch.Tensor | None = None
+    output_ids: np.ndarray | None = None  # (batch,) int64: next decode input per request
+    input_ids: np.ndarray | None = None
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
-    out_cache_loc: torch.Tensor | None = None
+    out_cache_loc: np.ndarray | None = None
     num_extend_reqs: int = 0
     decoding_reqs: list[Req] = field(default_factory=list)  # MIXED: running reqs riding along
 
@@ -48,9 +52,9 @@ class ScheduleBatch:
         self.mode = ForwardMode.EXTEND
         self.prefix_lens = [r.prefix_len for r in self.reqs]
         self.extend_lens = [r.extend_input_len for r in self.reqs]
-        self.out_cache_loc = cache.alloc_extend(self.reqs)
+        self.out_cache_loc = cache.alloc_extend(self.reqs).numpy()
         ids = [t for r, p in zip(self.reqs, self.prefix_lens) for t in r.fill_ids[p:]]
-        self.input_ids = torch.tensor(ids, dtype=torch.int64)
+        self.input_ids = np.array(ids, dtype=np.int64)
         self.num_extend_reqs = len(self.reqs)
         for r in self.reqs:
             r.status = ReqStatus.CHUNKED if r.is_chunked else ReqStatus.EXTENDING
@@ -66,8 +70,8 @@ class ScheduleBatch:
         self.reqs = self.reqs + running.reqs
         self.prefix_lens += running.prefix_lens
         self.extend_lens += running.extend_lens
-        self.input_ids = torch.cat([self.input_ids, running.input_ids])
-        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.input_ids = np.concatenate([self.input_ids, running.input_ids])
+        self.out_cache_loc = np.concatenate([self.out_cache_loc, running.out_cache_loc])
 
     # ---- decode ----------------------------------------------------------------------------
     @traced
@@ -95,7 +99,7 @@ class ScheduleBatch:
             return
         self.reqs = [self.reqs[i] for i in keep]
         if self.output_ids is not None:
-            self.output_ids = self.output_ids[torch.tensor(keep, dtype=torch.int64)]
+            self.output_ids = self.output_ids[keep]
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         if other.is_empty():
@@ -105,7 +109,7 @@ class ScheduleBatch:
             return
         self.reqs = self.reqs + other.reqs
         assert self.output_ids is not None and other.output_ids is not None
-        self.output_ids = torch.cat([self.output_ids, other.output_ids])
+        self.output_ids = np.concatenate([self.output_ids, other.output_ids])
 
     def snapshot(self) -> ScheduleBatch:
         """The batch as launched, for processing its results later (membership changes after)."""

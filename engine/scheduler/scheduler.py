@@ -25,7 +25,6 @@ from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.parallel.digest import check_same_batch
 from tandem.engine.parallel.tick import exchange
-from tandem.engine.runner.future_map import FutureMap
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.model_worker import GenerationBatchResult, ModelWorker, OverlapWorker
 from tandem.engine.scheduler import admin
@@ -93,7 +92,7 @@ class Scheduler:
         self.worker = ModelWorker(runner)
         self.overlap: OverlapWorker | None = None
         if config.enable_overlap:
-            self.overlap = OverlapWorker(self.worker, FutureMap(config.max_running_requests, runner.device))
+            self.overlap = OverlapWorker(self.worker, runner.future_map)
         self.grammar = GrammarManager(config, tokenizer, runner.vocab_size, runner.model_config.eos_token_ids,
                                       admit=self.admit, fail=self.drop_unstarted)
         self.faults = BatchFaults(self)

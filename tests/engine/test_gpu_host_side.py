@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from engine_checks import assert_whole
@@ -106,7 +107,7 @@ def test_overlap_forward_waits_for_the_handoff_marked_at_launch() -> None:
             log.append(("forward", threading.current_thread().name, mwb))
             return mwb
 
-    future_map = SimpleNamespace(alloc=lambda n: torch.arange(1, n + 1))
+    future_map = SimpleNamespace(alloc=lambda n: range(1, n + 1), ids=lambda s: -torch.arange(s.start, s.stop))
     ow = OverlapWorker(Worker(), future_map, handoff=Handoff())  # type: ignore[arg-type]
     futures = [ow.launch(SimpleNamespace(req_pool_indices=[0], n=i))[0] for i in range(3)]
     [f.result(timeout=10) for f in futures]
@@ -158,7 +159,9 @@ def test_mirror_check_covers_a_big_table_in_turns() -> None:
 
     pool = ReqToTokenPool(20, 16, "cpu", host_mirror=True)
     pool.write(3, 0, torch.arange(5))
-    pool.write_cells(torch.tensor([3, 4]), torch.tensor([5, 0]), torch.tensor([7, 8]))
+    rows, cols, slots = np.array([3, 4]), np.array([5, 0]), np.array([7, 8])
+    pool.write_decode_cells(rows, cols, slots)  # the host's copy; the forward writes the device's
+    pool.req_to_token[torch.from_numpy(rows), torch.from_numpy(cols)] = torch.tensor([7, 8], dtype=torch.int32)
     for _ in range(3):
         pool._check_mirror(max_bytes=0)
     pool.req_to_token[17, 2] = 9  # a write that bypassed the mirror
@@ -174,13 +177,9 @@ def test_future_ids_are_stored_as_a_slice_without_moving_the_indices() -> None:
     forward thread waited there for its whole step (1.1 ms of a 2.3 ms step on the H200)."""
     from tandem.engine.runner.future_map import FutureMap
 
-    class Pinned(torch.Tensor):
-        def to(self, *args, **kw):  # type: ignore[override]
-            raise AssertionError("the slot indices were copied to the device")
-
     fm = FutureMap(2, "cpu")  # ring of 9: slots 1..8
     fm.alloc(7)
-    idx = fm.alloc(3)  # wraps around to 1..3
-    assert idx.tolist() == [1, 2, 3]
-    fm.store(idx.as_subclass(Pinned), torch.tensor([7, 8, 9]))
+    slots = fm.alloc(3)  # wraps around to 1..3
+    assert slots == range(1, 4) and fm.ids(slots).tolist() == [-1, -2, -3]
+    fm.store(slots, torch.tensor([7, 8, 9]))
     assert fm.resolve(torch.tensor([5, -3, -1, -2])).tolist() == [5, 9, 7, 8]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,9 +38,9 @@ def test_alloc_decode_crosses_page_boundary_only_when_needed() -> None:
     a = PageAllocator(num_pages=8, page_size=4, device="cpu")
     s = a.alloc(4)  # exactly one full page
     used = a.used_pages
-    d = a.alloc_decode(torch.tensor([5]), s[-1:])  # position 4 -> new page
+    d = a.alloc_decode(np.array([5]), s[-1:].numpy())  # position 4 -> new page
     assert a.used_pages == used + 1 and int(d[0]) % 4 == 0
-    d2 = a.alloc_decode(torch.tensor([6]), d[:1])  # position 5 -> same page
+    d2 = a.alloc_decode(np.array([6]), d[:1])  # position 5 -> same page
     assert a.used_pages == used + 1 and int(d2[0]) == int(d[0]) + 1
 
 
@@ -132,7 +133,7 @@ def test_vectorised_decode_matches_extend_by_one(page_size: int) -> None:
     owned = [a.alloc(s) for s in seqs]
     [b.alloc(s) for s in seqs]
     last = torch.tensor([int(o[-1]) for o in owned])
-    got = a.alloc_decode(torch.tensor(seqs) + 1, last)
+    got = a.alloc_decode(np.array(seqs) + 1, last.numpy())
     want = b.alloc_extend(seqs, [1] * len(seqs), last.tolist())
     assert got.tolist() == want.tolist()
 

@@ -11,6 +11,7 @@ import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -215,11 +216,11 @@ def test_the_digest_stops_ranks_that_diverge() -> None:
     from tandem.engine.forward_batch import ForwardMode
     from tandem.engine.worker_batch import ModelWorkerBatch
 
-    mwb = ModelWorkerBatch(ForwardMode.DECODE, torch.tensor([5, 6]), [1, 2], [3, 4], [1, 1], torch.tensor([9, 10]),
+    mwb = ModelWorkerBatch(ForwardMode.DECODE, np.array([5, 6]), [1, 2], [3, 4], [1, 1], np.array([9, 10]),
                            0, [], [0, 0], False)
     d = batch_digest(mwb)
     check_same_batch(_FakeGroup([d]), mwb, 1)
-    mwb.out_cache_loc = torch.tensor([9, 11])
+    mwb.out_cache_loc = np.array([9, 11])
     assert batch_digest(mwb) != d
     with pytest.raises(RanksDiverged, match="step 7"):
         check_same_batch(_FakeGroup([d]), mwb, 7)

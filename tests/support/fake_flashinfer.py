@@ -163,8 +163,44 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         copy = self._check_run(q, kv, self.batch, "the batch size planned")
-        indptr, last = (self.indptr, self.last) if self.graph else (copy.host["indptr"], copy.host["last_page_len"])
-        return self._attend_all(q, kv, list(range(self.batch + 1)), indptr, self.indices, last)
+        if not self.graph:
+            return self._attend_all(q, kv, list(range(self.batch + 1)), copy.host["indptr"], self.indices,
+                                    copy.host["last_page_len"])
+        # The kernels split their work by the plan's host lengths and read the fixed buffers: a
+        # buffer that disagrees with the plan is a silent wrong answer on a GPU, an error here.
+        if not (torch.equal(self.indptr.cpu(), copy.host["indptr"].cpu())
+                and torch.equal(self.last.cpu(), copy.host["last_page_len"].cpu())):
+            raise RuntimeError("the fixed indptr / last_page_len buffers disagree with the plan")
+        return self._attend_all(q, kv, list(range(self.batch + 1)), self.indptr, self.indices, self.last)
+
+
+def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Tensor, indices: torch.Tensor,
+                     last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                     page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+                     logits_soft_cap: float | None = None, q_data_type: torch.dtype | None = None,
+                     kv_data_type: torch.dtype | None = None, data_type: torch.dtype | None = None,
+                     sm_scale: float | None = None, rope_scale: float | None = None, rope_theta: float | None = None,
+                     non_blocking: bool = True, fixed_split_size: int | None = None,
+                     disable_split_kv: bool = False, q_len_per_req: int = 1,
+                     global_override_indptr_cpu: torch.Tensor | None = None) -> None:
+    """flashinfer.decode.fast_decode_plan (0.7): the schedule from host indptr / last_page_len, reusing
+    the module a full plan() built (none before one: the real one reads `_cached_module`); under
+    CUDA graphs it copies NOTHING into the fixed buffers, which the caller fills on the device."""
+    if getattr(self, "_copy", None) is None:
+        raise AttributeError("'BatchDecodeWithPagedKVCacheWrapper' object has no attribute '_cached_module'")
+    batch = len(last_page_len)
+    if self.graph:
+        if batch != self.fixed:
+            raise ValueError("The batch size should be fixed in cudagraph mode")
+        if len(indices) > len(self.indices):
+            raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+    self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices,
+               (num_qo_heads, num_kv_heads, head_dim), page_size, q_data_type or torch.float16, kv_data_type,
+               sm_scale)
+    PLANS.append(Plan("fast-decode", indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
+    self.batch = batch
+    if not self.graph:
+        self.indices = indices
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Paged):
@@ -239,7 +275,10 @@ def install(monkeypatch: object) -> types.ModuleType:
     mod.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper  # type: ignore[attr-defined]
     mod.BatchPrefillWithRaggedKVCacheWrapper = BatchPrefillWithRaggedKVCacheWrapper  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)  # type: ignore[attr-defined]
-    for name, sub in fake_flashinfer_ops.modules().items():  # norm, rope, activation
+    decode = types.ModuleType("flashinfer.decode")
+    decode.fast_decode_plan = fast_decode_plan  # type: ignore[attr-defined]
+    decode.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper  # type: ignore[attr-defined]
+    for name, sub in {**fake_flashinfer_ops.modules(), "decode": decode}.items():  # norm, rope, activation, decode
         setattr(mod, name, sub)
         monkeypatch.setitem(sys.modules, f"flashinfer.{name}", sub)  # type: ignore[attr-defined]
     copies.install(monkeypatch)
