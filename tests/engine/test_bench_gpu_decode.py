@@ -3,6 +3,7 @@ would, from outside the repo root), on CPU always and on CUDA when there is a GP
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -14,26 +15,51 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_decode.py"
 # A step time is a difference of two timed calls: on tiny shapes and a busy machine it may come
 # out at or below zero, so the smoke test asks only that the timings are numbers.
-ROW_TIMINGS = ("engine_step_ms", "hf_step_ms", "engine_tok_s", "hf_tok_s", "engine_over_hf", "engine_pct_roofline",
-               "hf_pct_roofline")
+PEERS = ("engine", "hf", "hf_static")
+ROW_TIMINGS = tuple(f"{peer}_{key}" for peer in PEERS
+                    for key in ("step_ms", "step_ms_min", "step_ms_max", "tok_s", "pct_roofline")) + (
+    "engine_over_hf", "engine_over_hf_static")
 ROW_SIZES = ("bytes_per_step", "kv_bytes_per_step", "roofline_step_ms")
 PREFILL_NUMBERS = ("engine_ms", "hf_ms", "hf_over_engine", "engine_tok_s", "hf_tok_s")
+
+
+def check_meta(meta: dict, device: str, engine: bool = True) -> None:
+    """What every bench result records (bench/run_meta.py)."""
+    env = meta["environment"]
+    assert env["device"] == device and env["device_name"] and env["source_digest"]
+    assert env["versions"]["torch"] and env["versions"]["transformers"] and "flashinfer" in env["versions"]
+    if not engine:
+        return
+    eng = meta["engine"]
+    ops = eng["layer_ops"]
+    assert ops["requested"] == "auto" and ops["chosen"] and ops["fell_back"] is (ops["planned"] != ops["chosen"])
+    assert eng["attention_backend"] and eng["page_size"] >= 1 and eng["dtype"] and eng["engine_config"]["model"]
+    assert "decode_kernel" in eng and "ragged_prefill" in eng
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
     model_path("tiny")  # built once per session, outside the subprocess's time limit
     out = tmp_path / "gpu_decode.json"
+    # The static-cache peer uncompiled on CPU (a compile takes minutes); compiled on the GPU.
+    static = "eager" if device == "cpu" else "compiled"
     argv = [sys.executable, str(SCRIPT), "--model", "tiny", "--device", device, "--batches", "1,2",
-            "--context", "16", "--steps", "4", "--prefill", "2x32", "--repeats", "1", "--out", str(out)]
+            "--context", "16", "--steps", "4", "--prefill", "2x32", "--repeats", "3", "--hf-static", static,
+            "--out", str(out)]
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "eng %roof" in proc.stdout  # the table
+    assert "%roof" in proc.stdout and "%spec" in proc.stdout  # the table
 
     res = json.loads(out.read_text())
     assert res["device"] == device and res["torch"] and res["device_name"]
     assert res["copy_bandwidth_GBps"] > 0 and res["weight_bytes"] > 0 and res["kv_bytes_per_token"] > 0
     assert "read + write" in res["copy_bandwidth_convention"]
+    assert res["hf_peers"] == ["hf", "hf_static"] and res["repeats"] == 3
+    check_meta(res["meta"], device)
+    assert res["meta"]["hf_peers"]["hf_static"]["cache"] == "static"
+    assert res["layer_ops"] == res["meta"]["engine"]["layer_ops"]["chosen"]
+    if device == "cpu":
+        assert res["spec_bandwidth_GBps"] is None
     assert [r["batch"] for r in res["decode"]] == [1, 2]
     for row in res["decode"]:
         assert (row["context"], row["steps"]) == (16, 4)
@@ -41,6 +67,11 @@ def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
             assert row[key] > 0, (key, row)
         for key in ROW_TIMINGS:
             assert math.isfinite(row[key]), (key, row)
+        for peer in PEERS:  # three timed rounds after the warm-up; the median is one of them
+            rounds = row[f"{peer}_rounds_s"]
+            assert len(rounds) == 3 and sorted(rounds)[1] / (row["steps"] - 1) * 1e3 == pytest.approx(
+                row[f"{peer}_step_ms"])
+            assert (row[f"{peer}_pct_roofline_spec"] is None) == (res["spec_bandwidth_GBps"] is None)
         assert row["engine_prompt_cached_frac"] > 0.5  # decode ran on prefix-cached prompts
     assert res["prefill"]["prefill"] == "2x32"
     for key in PREFILL_NUMBERS:
@@ -61,3 +92,30 @@ def test_prefill_profile_smoke(device: str, tmp_path: Path, model_path) -> None:
         assert res[side]["wall_ms"] > 0 and res[side]["kernel_ms"] > 0, res[side]
         assert res[side]["kinds"]["matmul"] > 0 and 0 < len(res[side]["top"]) <= 5
     assert res["hf_over_engine_wall"] > 0
+    check_meta(res["meta"], device)
+
+
+def test_step_profile_smoke(tmp_path: Path, model_path) -> None:
+    """bench/step_profile.py on CPU: the host functions per thread, and what ran per loop."""
+    model_path("tiny")
+    out = tmp_path / "step_profile.json"
+    argv = [sys.executable, str(SCRIPT.with_name("step_profile.py")), "--model", "tiny", "--device", "cpu",
+            "--batches", "1", "--context", "16", "--steps", "4", "--loops", "normal", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["loop"] for r in res["runs"]] == ["normal"] and res["runs"][0]["rows"]
+    check_meta({"environment": res["meta"]["environment"], "engine": res["meta"]["engines"]["normal"]}, "cpu")
+
+
+def test_spec_bandwidth_table() -> None:
+    """The second roofline's bandwidth: by the GPU's name, None where the card is unknown."""
+    spec = importlib.util.spec_from_file_location("gpu_specs", SCRIPT.with_name("gpu_specs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    spec_bandwidth = module.spec_bandwidth
+
+    assert spec_bandwidth("NVIDIA H200") == 4.8e12
+    assert spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert spec_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert spec_bandwidth("NVIDIA A10G") is None and spec_bandwidth(None) is None
