@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 import zipfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 _spec = importlib.util.spec_from_file_location("wheel_needs", BENCH / "wheel_needs.py")
 wheel_needs = importlib.util.module_from_spec(_spec)
+sys.modules["wheel_needs"] = wheel_needs  # its dataclasses look their module up there
 _spec.loader.exec_module(wheel_needs)
 
 
