@@ -42,7 +42,8 @@ The ratio is HF time / Engine time: >= 1 means ours is faster. Engine and HF alt
 round after a warm-up round; each figure is the median over --repeats rounds.
 
 Every result carries `meta` (run_meta.py): the layer ops requested and chosen, the attention
-backend and decode kernel, versions, the GPU, the commit.
+backend and decode kernel, versions, the GPU, the commit. The JSON is written again after every
+case, `complete: false` until the last: a run stopped at its time limit keeps what it measured.
 """
 
 from __future__ import annotations
@@ -331,29 +332,34 @@ def main() -> None:
     wbytes, kv_tok = weight_bytes(hf), kv_bytes_per_token(hf.config, dtype.itemsize)
     peers = hf_peers(args.hf_static, device.type)
     eargs = {"device": args.device, "dtype": args.dtype, **engine_args(args.engine_arg)}
-    rows, prefill = [], None
-    with Engine(str(path), **eargs) as eng:
-        meta = run_meta(device, eng, hf_peers={p.name: p.describe(hf) for p in peers})
-        for batch in args.batches:
-            rows.append(add_roofline(decode_case(eng, hf, peers, batch, args, device), wbytes, kv_tok, bw, spec_bw))
-            print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("rounds_s")}), flush=True)
-        if args.prefill.lower() != "none":
-            prefill = prefill_case(eng, hf, args.prefill, args.repeats, device)
-    meta["hf_peers"] = {p.name: p.describe(hf) for p in peers}  # again: whether a compile happened is known now
+    out = Path(args.out) if args.out else ROOT / "docs/results" / f"gpu_decode_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     import transformers
 
     res = {"device": args.device, "device_name": name, "torch": torch.__version__,
            "transformers": transformers.__version__, "model": args.model, "model_path": str(path),
-           "dtype": args.dtype, "engine_args": eargs, "layer_ops": meta["engine"].get("layer_ops", {}).get("chosen"),
-           "hf_peers": [p.name for p in peers], "repeats": args.repeats,
-           "warmup": "one untimed round of the timed shape per peer and batch",
+           "dtype": args.dtype, "engine_args": eargs, "layer_ops": None, "hf_peers": [p.name for p in peers],
+           "repeats": args.repeats, "warmup": "one untimed round of the timed shape per peer and batch",
            "copy_bandwidth_GBps": bw / 1e9, "copy_bandwidth_convention": COPY_CONVENTION,
-           "spec_bandwidth_GBps": spec_bw / 1e9 if spec_bw else None,
-           "weight_bytes": wbytes, "kv_bytes_per_token": kv_tok, "decode": rows, "prefill": prefill, "meta": meta}
+           "spec_bandwidth_GBps": spec_bw / 1e9 if spec_bw else None, "weight_bytes": wbytes,
+           "kv_bytes_per_token": kv_tok, "decode": [], "prefill": None, "complete": False}
+    # Written again after every case: a run stopped at its time limit keeps the rows it finished.
+    save = lambda: out.write_text(json.dumps(res, indent=2))  # noqa: E731
+    with Engine(str(path), **eargs) as eng:
+        res["meta"] = run_meta(device, eng, hf_peers={p.name: p.describe(hf) for p in peers})
+        res["layer_ops"] = res["meta"]["engine"].get("layer_ops", {}).get("chosen")
+        save()
+        for batch in args.batches:
+            row = add_roofline(decode_case(eng, hf, peers, batch, args, device), wbytes, kv_tok, bw, spec_bw)
+            res["decode"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.endswith("rounds_s")}), flush=True)
+            save()
+        if args.prefill.lower() != "none":
+            res["prefill"] = prefill_case(eng, hf, args.prefill, args.repeats, device)
+    res["meta"]["hf_peers"] = {p.name: p.describe(hf) for p in peers}  # again: whether a compile ran is known now
+    res["complete"] = True
+    save()
     print(table(res))
-    out = Path(args.out) if args.out else ROOT / "docs/results" / f"gpu_decode_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")
 
 

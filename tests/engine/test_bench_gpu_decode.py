@@ -54,7 +54,7 @@ def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
     assert res["device"] == device and res["torch"] and res["device_name"]
     assert res["copy_bandwidth_GBps"] > 0 and res["weight_bytes"] > 0 and res["kv_bytes_per_token"] > 0
     assert "read + write" in res["copy_bandwidth_convention"]
-    assert res["hf_peers"] == ["hf", "hf_static"] and res["repeats"] == 3
+    assert res["hf_peers"] == ["hf", "hf_static"] and res["repeats"] == 3 and res["complete"] is True
     check_meta(res["meta"], device)
     assert res["meta"]["hf_peers"]["hf_static"]["cache"] == "static"
     assert res["layer_ops"] == res["meta"]["engine"]["layer_ops"]["chosen"]
