@@ -125,6 +125,10 @@ decode() {  # decode STEP_NAME LIMIT JSON_NAME MODEL [gpu_decode.py options...]
     shift 4
     TAIL=14 step "$name" "$limit" "$PY" bench/gpu_decode.py --model "$model" --device "$DEV" --batches "$BATCHES" \
         --steps "$STEPS" --context "$CONTEXT" --repeats "$REPEATS" --out "$R/$json" "$@"
+    # A silent fallback made loud: run_meta.py warns when layer_ops=auto kept the torch ops.
+    if grep -q "layer ops fell back" "$R/$name.log" 2>/dev/null; then
+        note "$name: $(grep -m1 "layer ops fell back" "$R/$name.log")"
+    fi
 }
 
 # A preset's weights, built once (TANDEM_HOME). -P: the repo root (cwd) off sys.path, where operator/ would

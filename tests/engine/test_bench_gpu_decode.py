@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -21,6 +22,14 @@ ROW_TIMINGS = tuple(f"{peer}_{key}" for peer in PEERS
     "engine_over_hf", "engine_over_hf_static")
 ROW_SIZES = ("bytes_per_step", "kv_bytes_per_step", "roofline_step_ms")
 PREFILL_NUMBERS = ("engine_ms", "hf_ms", "hf_over_engine", "engine_tok_s", "hf_tok_s")
+
+
+def bench_module(name: str) -> ModuleType:
+    """A module of bench/ (scripts, not a package), loaded by path."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def check_meta(meta: dict, device: str, engine: bool = True) -> None:
@@ -110,12 +119,26 @@ def test_step_profile_smoke(tmp_path: Path, model_path) -> None:
 
 def test_spec_bandwidth_table() -> None:
     """The second roofline's bandwidth: by the GPU's name, None where the card is unknown."""
-    spec = importlib.util.spec_from_file_location("gpu_specs", SCRIPT.with_name("gpu_specs.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    spec_bandwidth = module.spec_bandwidth
+    spec_bandwidth = bench_module("gpu_specs").spec_bandwidth
 
     assert spec_bandwidth("NVIDIA H200") == 4.8e12
     assert spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert spec_bandwidth("NVIDIA H100 PCIe") == 2.0e12
     assert spec_bandwidth("NVIDIA A10G") is None and spec_bandwidth(None) is None
+
+
+def test_a_layer_ops_fallback_is_recorded_and_warned(capsys: pytest.CaptureFixture[str]) -> None:
+    """layer_ops=auto keeps the torch ops when FlashInfer's fail their warm-up (a log line, before):
+    the result says requested auto, planned flashinfer, chosen torch, and stderr warns."""
+    from types import SimpleNamespace
+
+    from tandem.engine.engine_config import EngineConfig
+
+    run_meta = bench_module("run_meta")
+    runner = SimpleNamespace(config=SimpleNamespace(layer_ops="auto"), _choose_layer_ops=lambda: "flashinfer",
+                             layer_ops_name="torch", attn_backend=object(), graph_runner=None, page_size=1,
+                             dtype="torch.bfloat16", device="cuda:0", kv_pool=SimpleNamespace(capacity_tokens=8))
+    eng = SimpleNamespace(config=EngineConfig(), scheduler=SimpleNamespace(runner=runner))
+    meta = run_meta.engine_meta(eng)
+    assert meta["layer_ops"] == {"requested": "auto", "planned": "flashinfer", "chosen": "torch", "fell_back": True}
+    assert "layer ops fell back" in capsys.readouterr().err
