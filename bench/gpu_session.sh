@@ -99,8 +99,12 @@ if [ -z "$DRY" ]; then
     export PYTHONPATH=/tmp/fi:/tmp/site:/tmp/nx
     # FlashInfer's norm from its CUDA sources (not the CuTe DSL, which the kit lacks): one module to cache.
     export FLASHINFER_USE_CUDA_NORM=1
-    # Modules compiled in an earlier session load as AOT ones, skipping their 20-80 s compile each.
-    [ -d .gpu-jit ] && mkdir -p /tmp/fi/flashinfer/data/aot && cp -r .gpu-jit/. /tmp/fi/flashinfer/data/aot/
+    # Modules compiled in an earlier session (gpu_unpack.sh keeps them in .gpu-jit/modules.tar.xz) load as AOT
+    # ones, skipping their 20-80 s compile each.
+    mkdir -p /tmp/fi/flashinfer/data/aot
+    for t in .gpu-jit/*.tar.xz; do
+        [ -f "$t" ] && tar -xJf "$t" -C /tmp/fi/flashinfer/data/aot/
+    done
     nvidia-smi -q > "$R/nvidia-smi.txt" 2>&1
     PY=python3 DEV=cuda
     MODEL=${MODEL:-llama-1b-shape} MODEL_8B=${MODEL_8B:-llama-8b-shape}
