@@ -142,3 +142,35 @@ def test_a_layer_ops_fallback_is_recorded_and_warned(capsys: pytest.CaptureFixtu
     meta = run_meta.engine_meta(eng)
     assert meta["layer_ops"] == {"requested": "auto", "planned": "flashinfer", "chosen": "torch", "fell_back": True}
     assert "layer ops fell back" in capsys.readouterr().err
+
+
+def test_a_failing_hf_peer_loses_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that cannot run here (a compile without a compiler, a graph break) is recorded as
+    `<peer>_error`; the Engine's and the other peers' rows stand, each from three timed rounds."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # gpu_decode imports its siblings by name
+    gd = bench_module("gpu_decode")
+
+    class Engine:
+        def flush_cache(self) -> list:
+            return [SimpleNamespace(ok=True)]
+
+        def generate(self, prompts: list, sp: dict) -> list[dict]:
+            meta = {"ttft": 0.0, "completion_tokens": sp["max_new_tokens"], "cached_tokens": 15, "prompt_tokens": 16}
+            return [{"meta": meta} for _ in prompts]
+
+    class Broken(gd.HFPeer):
+        def generate(self, hf: object, ids: torch.Tensor, n: int) -> torch.Tensor:
+            raise RuntimeError("no C compiler for inductor")
+
+    hf = SimpleNamespace(config=SimpleNamespace(vocab_size=100), generation_config=SimpleNamespace(pad_token_id=0),
+                         generate=lambda ids, **kw: ids)
+    peers = [gd.HFPeer("hf", "dynamic", False), Broken("hf_static", "static", True)]
+    args = argparse.Namespace(steps=4, context=16, repeats=3)
+    row = gd.decode_case(Engine(), hf, peers, 2, args, torch.device("cpu"))
+    assert "no C compiler" in row["hf_static_error"] and "hf_static_step_ms" not in row
+    assert len(row["engine_rounds_s"]) == 3 and len(row["hf_rounds_s"]) == 3 and "engine_over_hf" in row
