@@ -33,11 +33,13 @@ def layer_ops() -> None:
     act.get_act_and_mul_module("silu")
 
 
-def attention(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-    """One plan and run of each wrapper the engine uses, on 16 tokens of one request, page size 1."""
+def attention(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+              dev: torch.device = torch.device("cuda")) -> None:
+    """One plan and run of each wrapper the engine uses, on 16 tokens of one request, page size 1.
+    (`dev` is CUDA but for the CPU test, which runs the calls over the FlashInfer stand-in.)"""
     import flashinfer
 
-    dev, n = torch.device("cuda"), 16
+    n = 16
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
     q = torch.randn(n, num_heads, head_dim, dtype=dtype, device=dev)
     k, v = (torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
@@ -56,7 +58,8 @@ def attention(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dty
         decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
         decode.plan(indptr, indices, last, num_heads, num_kv_heads, head_dim, 1, pos_encoding_mode="NONE", **kw)
         decode.run(q[:1], pages)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def main() -> None:

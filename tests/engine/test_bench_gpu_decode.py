@@ -174,3 +174,14 @@ def test_a_failing_hf_peer_loses_only_itself(monkeypatch: pytest.MonkeyPatch) ->
     row = gd.decode_case(Engine(), hf, peers, 2, args, torch.device("cpu"))
     assert "no C compiler" in row["hf_static_error"] and "hf_static_step_ms" not in row
     assert len(row["engine_rounds_s"]) == 3 and len(row["hf_rounds_s"]) == 3 and "engine_over_hf" in row
+
+
+def test_jit_warm_calls_the_wrappers_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/jit_warm.py's attention calls, over the FlashInfer stand-in (as strict as FlashInfer 0.7's
+    signatures, int32 tables, head dims and dtypes): ragged and paged prefill, decode both ways."""
+    import fake_flashinfer
+    import torch
+
+    fake_flashinfer.install(monkeypatch)
+    bench_module("jit_warm").attention(128, 32, 8, torch.bfloat16, torch.device("cpu"))
+    assert len(fake_flashinfer.PLANS) == 4
