@@ -50,8 +50,9 @@ def check_meta(meta: dict, device: str, engine: bool = True) -> None:
 def test_gpu_decode_smoke(device: str, tmp_path: Path, model_path) -> None:
     model_path("tiny")  # built once per session, outside the subprocess's time limit
     out = tmp_path / "gpu_decode.json"
-    # The static-cache peer uncompiled on CPU (a compile takes minutes); compiled on the GPU.
-    static = "eager" if device == "cpu" else "compiled"
+    # The static-cache peer uncompiled: a compile takes a minute or more, on CPU and within the GPU tests'
+    # time limit in a session too; the benchmark's own run on the GPU (phase 3) compiles it and records so.
+    static = "eager"
     argv = [sys.executable, str(SCRIPT), "--model", "tiny", "--device", device, "--batches", "1,2",
             "--context", "16", "--steps", "4", "--prefill", "2x32", "--repeats", "3", "--hf-static", static,
             "--out", str(out)]
