@@ -64,6 +64,10 @@ archive() {  # everything so far into $OUT, each file written beside its name an
         mv -f "$STAGE/jit.tar.gz" "$OUT/$NAME-jit.tar.gz"
     else
         split -b "$MAX_FILE" -d -a 1 "$STAGE/jit.tar.gz" "$OUT/$NAME-jit.tar.gz." && rm -f "$STAGE/jit.tar.gz"
+        if [ "$(ls "$OUT/$NAME"-jit.tar.gz.* | wc -l)" -gt 6 ]; then  # 8 files come back: keep the results
+            rm -f "$OUT/$NAME"-jit.tar.gz.*
+            grep -q "modules too large" "$R/summary" || note "compiled modules too large to send back; left out"
+        fi
     fi
 }
 trap 'archive; rm -rf "$STAGE"' EXIT
