@@ -25,7 +25,8 @@ receiver all heads (prefill TP 2 -> decode TP 1); the receiver acks every send, 
 sends into its staging pages, which it moves into place before the ack (decode/staging.py).
 With --staged the pools' lower half holds the requests' pages, the upper half staging, and
 each round also times a few sends of the same slices where they lie.
-Result: docs/results/kv_transfer[_scattered][_heads|_to_wider][_staged][_cuda].json.
+Result: docs/results/kv_transfer[_scattered][_heads|_to_wider][_staged][_cuda].json, with what ran
+(run_meta.py: the GPU, NIXL's version, the commit) and the pools' layout.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from run_meta import run_meta
 
 from tandem.decode.staging import ScatterStaging
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
@@ -219,6 +221,7 @@ def main() -> None:
         t.close()
         proc.join(30)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+              "meta": run_meta(torch.device(args.device), layout=layout.to_dict(), sends_per_round=args.sends),
               "tokens": args.tokens, "bytes_per_send": nbytes, "scattered": args.scattered, "decode_heads": heads,
               "prefill_heads": scatter, "staged": args.staged,
               "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0], "rounds": rows,

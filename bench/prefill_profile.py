@@ -8,7 +8,8 @@ gpu_decode.py measured the Engine's 8x2048 prefill at 0.75x of HF's forward on a
 says which kernels make the difference: each side runs once to warm up, then once under the
 torch profiler. On CUDA a row is a kernel (GPU time); on CPU, where only the smoke test runs it,
 an operator (self CPU time). Kinds: matmul, attention, norm/rope/act (the layer ops), copy/index,
-sampling, other. Output: both tables, the per-kind sums and the wall times, to --out as JSON.
+sampling, other. Output: both tables, the per-kind sums and the wall times, to --out as JSON, with what ran
+(run_meta.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from gpu_decode import engine_args, flush, prompts_for, resolve, sp, timed
+from run_meta import run_meta
 
 KINDS = [  # first match wins; patterns over kernel (CUDA) or operator (CPU) names
     ("attention", r"flashinfer::Batch|Prefill|Decode|MergeStates|flash|fmha|attention|sdpa|paged"),
@@ -100,7 +102,7 @@ def main() -> None:
         flush(eng)  # an empty prefix cache: the whole prompt is computed
         res = {"model": args.model, "prefill": args.prefill, "device": str(device), "dtype": dtype,
                "engine_args": eargs, "engine": profiled(ours, device, args.top),
-               "hf": profiled(hf_forward, device, args.top)}
+               "hf": profiled(hf_forward, device, args.top), "meta": run_meta(device, eng)}
     res["hf_over_engine_wall"] = res["hf"]["wall_ms"] / res["engine"]["wall_ms"]
     show("ours (Engine, generate 1 token)", res["engine"])
     show("HF forward (logits_to_keep=1)", res["hf"])

@@ -8,7 +8,8 @@ The functions listed in TIMED are wrapped (inclusive wall time, so nested rows a
 their parents). Timing covers only the decode generate of gpu_decode.py's method (prompts in
 the prefix cache), so a row's `us/step` is its time over the steps of that call. On CUDA
 `graph replay (GPU)` replays the batch's graph alone, synchronised, which is what a step
-would cost without any host work. Output: a table per (batch, loop) and a JSON to --out.
+would cost without any host work. Output: a table per (batch, loop) and a JSON to --out, with
+what ran per loop (run_meta.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from gpu_decode import engine_args, flush, prompts_for, resolve, sp
+from run_meta import engine_meta, environment
 
 TIMED = [
     ("tandem.engine.scheduler.scheduler", "Scheduler.recv_requests"),
@@ -187,12 +189,15 @@ def main() -> None:
     timers = Timers()
     for module, qualname in TIMED:
         timers.wrap(module, qualname)
-    out: dict[str, Any] = {"model": args.model, "runs": []}
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    out: dict[str, Any] = {"model": args.model, "runs": [], "meta": {"environment": environment(device), "engines": {}}}
     for loop in args.loops.split(","):
         cfg = {"device": args.device, "cuda_graph_max_bs": max(batches),
                "disable_overlap_schedule": loop == "normal", **engine_args(args.engine_arg)}
         eng = Engine(model=str(path), **cfg)
         try:
+            out["meta"]["engines"][loop] = engine_meta(eng)
             for b in batches:
                 res = profile(eng, timers, b, args, vocab)
                 show(res, loop)

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.modelgen.model_spec import (  # noqa: F401  (re-exported: the builder's public names)
     ARCHITECTURES,
@@ -27,6 +27,7 @@ from tandem.engine.modelgen.model_spec import (  # noqa: F401  (re-exported: the
     PRESETS,
     REQUIRED_FILES,
     ModelSpec,
+    default_init_device,
     random_weights,
     recipe,
     weight_shapes,
@@ -37,6 +38,9 @@ from tandem.engine.modelgen.tokenizer_builder import (
     family_for_arch,
     save_hf_tokenizer,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _rope_parameters(spec: ModelSpec) -> dict[str, Any]:
@@ -90,7 +94,10 @@ def tandem_home() -> Path:
 
 
 def spec_hash(spec: ModelSpec) -> str:
-    payload = json.dumps([recipe(), dataclasses.asdict(spec.resolved())], sort_keys=True)
+    fields = dataclasses.asdict(spec.resolved())
+    if fields["init"] == "portable":  # the default is left out: models built before `init` existed stay cached
+        del fields["init"]
+    payload = json.dumps([recipe(), fields], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:10]
 
 
@@ -98,15 +105,18 @@ def is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def _write_model_dir(spec: ModelSpec, out_dir: Path, cache_dir: Path) -> None:
+def _write_model_dir(spec: ModelSpec, out_dir: Path, cache_dir: Path, device: torch.device | None) -> None:
     from safetensors.torch import save_file
 
     family = family_for_arch(spec.arch)
     tok = cached_tokenizer(family, spec.vocab_size, cache_dir)
     ids = save_hf_tokenizer(tok, family, out_dir, spec.max_position_embeddings)
     write_configs(spec, ids, out_dir)
-    save_file(random_weights(spec), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    provenance = {"recipe": recipe(), "spec": dataclasses.asdict(spec)}
+    where = (device or default_init_device()) if spec.init == "device" else None
+    save_file(random_weights(spec, where), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    provenance: dict[str, Any] = {"recipe": recipe(), "spec": dataclasses.asdict(spec)}
+    if where is not None:  # init=device weights are reproducible on this kind of device only
+        provenance["init_device"] = where.type
     (out_dir / "tandem_spec.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
 
 
@@ -124,12 +134,14 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
 
 
 def build_model(
-    spec: ModelSpec, out_dir: str | Path, *, cache_dir: Path | None = None, overwrite: bool = False
+    spec: ModelSpec, out_dir: str | Path, *, cache_dir: Path | None = None, overwrite: bool = False,
+    device: torch.device | None = None,
 ) -> Path:
     """Write a complete HF model directory for `spec` to `out_dir` atomically; returns its path.
 
     Raises FileExistsError if `out_dir` is a non-empty directory and `overwrite` is false.
-    The trained tokenizer is cached under `cache_dir` (default: `tandem_home()`).
+    The trained tokenizer is cached under `cache_dir` (default: `tandem_home()`). `device`: where
+    an init=device spec draws its weights (default: CUDA where there is one).
     """
     spec = spec.resolved()
     out = Path(out_dir).expanduser().absolute()
@@ -139,7 +151,7 @@ def build_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the published dir should not be
-        _write_model_dir(spec, tmp, cache_dir or tandem_home())
+        _write_model_dir(spec, tmp, cache_dir or tandem_home(), device)
         _publish(tmp, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only still there if something failed

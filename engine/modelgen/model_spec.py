@@ -3,6 +3,14 @@
 The random weights are scaled so the model's next-token distribution is peaked (logit std
 around 4.5, wide top-1/top-2 gaps), so greedy decoding by two implementations agrees token
 for token. model_builder.py turns a spec into a model directory.
+
+Two ways to draw them (`ModelSpec.init`). `portable`: integer draws turned into floats in exactly
+rounded float64 on the CPU, bit-identical on every machine, at about 60 ns a weight on one core
+(1-2 minutes for the 1.2B-parameter shape, about ten for 8B). `device`: torch's own generator on
+the device the build runs on (CUDA where there is one), the same scales and distributions, about
+a second for 8B on a GPU; reproducible on one kind of device and torch version, not across them.
+The `*-shape` presets time kernels, for which the values' scales matter and their last bits do
+not, so they draw on the device; the presets that tests compare token for token stay portable.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +55,7 @@ TOKEN_NORM_SPREAD = 0.4
 # token's own logit zero-mean rather than biased up by |embedding|^2.
 NORM_NOISE_STD = 0.1
 BIAS_STD = 0.2  # Qwen2 q/k/v biases
+INITS = ("portable", "device")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class ModelSpec:
     seed: int = 0
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"
+    init: str = "portable"  # portable | device: how the random weights are drawn (module docstring)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -84,6 +95,8 @@ class ModelSpec:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ValueError("rope_scaling needs a 'rope_type' key")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
 
     def resolved(self) -> ModelSpec:
         if self.head_dim is not None:
@@ -145,7 +158,16 @@ PRESETS: dict[str, ModelSpec] = {
     "llama-1b-shape": ModelSpec(
         arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
         intermediate_size=8192, vocab_size=128256, rope_theta=500_000.0, max_position_embeddings=8192,
-        tie_word_embeddings=True, dtype="bfloat16",
+        tie_word_embeddings=True, dtype="bfloat16", init="device",
+    ),
+    # Llama-3.1-8B's shape (untied, head_dim 128), random weights: ~8.03B parameters, 16 GB in bf16,
+    # drawn on the GPU; the decode benchmark's second model. Llama 3.1's rope scaling and 128k
+    # context are left out: a decode step's cost does not depend on them, and a shorter context
+    # keeps the row table and graph buffers the KV pool is sized around small.
+    "llama-8b-shape": ModelSpec(
+        arch="llama", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=128256, rope_theta=500_000.0, max_position_embeddings=8192,
+        tie_word_embeddings=False, dtype="bfloat16", init="device",
     ),
 }
 
@@ -215,12 +237,13 @@ def _uniform(shape: tuple[int, ...], mean: float, std: float, seed: int) -> torc
     return (unit * (std * math.sqrt(3.0)) + mean).to(torch.float32)
 
 
-def _token_scales(vocab_size: int, seed: int) -> torch.Tensor:
+def _token_scales(vocab_size: int, seed: int, draw: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Per-row norm factors for the output matrix, with mean square 1."""
     import torch
 
+    draw = draw or _uniform
     # z = sum of four uniforms (Irwin-Hall): near-normal, and bit-reproducible like _uniform.
-    z = sum(_uniform((vocab_size,), 0.0, 0.5, _tensor_seed(seed, f"token_scale.{i}")) for i in range(4))
+    z = sum(draw((vocab_size,), 0.0, 0.5, _tensor_seed(seed, f"token_scale.{i}")) for i in range(4))
     scales = torch.exp(TOKEN_NORM_SPREAD * z.to(torch.float64))
     # E[exp(2 t z)] for that z in closed form: each uniform is on [-a, a] with a = sqrt(3) / 2.
     ta = 2 * TOKEN_NORM_SPREAD * math.sqrt(3) / 2
@@ -235,22 +258,45 @@ def _signs(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=gen).to(torch.float32) * 2 - 1
 
 
-def random_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def _device_uniform(shape: tuple[int, ...], mean: float, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """Uniform noise with the given mean/std from torch's generator on `device` (init=device)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    unit = torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * 2 - 1
+    return unit * (std * math.sqrt(3.0)) + mean
+
+
+def default_init_device() -> torch.device:
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def random_weights(spec: ModelSpec, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """CPU tensors of the spec's dtype. init=device draws them on `device` (default: CUDA where
+    there is one) and moves each to the host as it is made, so the device holds one at a time."""
     import torch
 
     spec = spec.resolved()
     dtype = getattr(torch, spec.dtype)
+    if spec.init == "device":
+        where = device or default_init_device()
+        draw = lambda shape, mean, std, seed: _device_uniform(shape, mean, std, seed, where)  # noqa: E731
+    else:
+        draw = _uniform
     output_name = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     weights = {}
     for name, shape in weight_shapes(spec).items():
         mean, std = _init_mean_std(name, shape, spec)
-        tensor = _uniform(shape, mean, std, _tensor_seed(spec.seed, name))
+        tensor = draw(shape, mean, std, _tensor_seed(spec.seed, name))
         if name == output_name:
-            tensor = tensor * _token_scales(spec.vocab_size, spec.seed)[:, None]  # (vocab, hidden)
+            tensor = tensor * _token_scales(spec.vocab_size, spec.seed, draw).to(tensor.device)[:, None]
         if name == "model.norm.weight":
-            tensor = tensor * _signs(spec.hidden_size, _tensor_seed(spec.seed, "final_norm_sign"))
-        weights[name] = tensor.to(dtype)
+            tensor = tensor * _signs(spec.hidden_size, _tensor_seed(spec.seed, "final_norm_sign")).to(tensor.device)
+        weights[name] = tensor.to(dtype).cpu()
     return weights
+
 
 def recipe() -> dict[str, Any]:
     # Everything besides the spec that decides a built model's bytes; part of the cache key,

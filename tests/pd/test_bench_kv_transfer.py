@@ -29,3 +29,6 @@ def test_kv_transfer_bench_smoke(extra: list[str], tmp_path: Path) -> None:
     full = 64 * 12 * 2 * 4 * 64 * 2  # tokens x layers x K/V x KV heads x head_dim x bf16 bytes
     assert res["bytes_per_send"] == (full // 2 if extra else full)
     assert res["staged"] == ("--staged" in extra)
+    env = res["meta"]["environment"]  # what ran (bench/run_meta.py)
+    assert env["device"] == "cpu" and env["versions"]["nixl"] and env["source_digest"]
+    assert res["meta"]["layout"]["num_layers"] == 12
