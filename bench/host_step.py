@@ -82,8 +82,9 @@ class NoReplay:
         return SimpleNamespace(replay=lambda: None), out
 
 
-def build(model: str, max_bs: int, context: int) -> Any:
-    """A Scheduler over a stubbed runner: FlashInfer backend (stand-in) and graphs up to max_bs."""
+def build(model: str, max_bs: int, context: int, patch: Any) -> Any:
+    """A Scheduler over a stubbed runner: FlashInfer backend (stand-in) and graphs up to max_bs.
+    `patch` applies the stand-in's patches (a test's monkeypatch undoes them after)."""
     import fake_flashinfer
 
     from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
@@ -95,10 +96,10 @@ def build(model: str, max_bs: int, context: int) -> Any:
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.scheduler.scheduler import Scheduler
 
-    fake_flashinfer.install(_Patch())
+    fake_flashinfer.install(patch)
     # Off the CPU the request-row table keeps a host mirror, and the scheduler writes the mirror:
     # forced on here, so the scheduler's side is the GPU's.
-    kv_memory.ReqToTokenPool = functools.partial(ReqToTokenPool, host_mirror=True)
+    patch.setattr(kv_memory, "ReqToTokenPool", functools.partial(ReqToTokenPool, host_mirror=True))
     path = str(resolve_model(model))
     config = EngineConfig.from_kwargs(
         model=path, device="cpu", dtype="bfloat16", page_size=16, disable_overlap_schedule=False,
@@ -157,7 +158,7 @@ class OpCounter(TorchDispatchMode):
 
         return run
 
-    def mark_foreign(self, backend: Any) -> None:
+    def mark_foreign(self, backend: Any, patch: Any) -> None:
         import flashinfer
 
         targets = [(flashinfer.BatchDecodeWithPagedKVCacheWrapper, "plan", True),
@@ -167,20 +168,22 @@ class OpCounter(TorchDispatchMode):
             raw = getattr(raw, "__wrapped__", raw)  # one wrapper, however many runs
             wrapped = self.foreign(raw, plan)
             wrapped.__wrapped__ = raw  # type: ignore[attr-defined]
-            setattr(owner, name, wrapped)
+            patch.setattr(owner, name, wrapped)
         if getattr(backend, "_fast_plan", None) is not None:
             backend._fast_plan = self.foreign(backend._fast_plan, plan=True)
 
 
-def steady_decode(batch: int, steps: int, context: int, model: str, max_bs: int, count: bool) -> dict[str, Any]:
+def steady_decode(batch: int, steps: int, context: int, model: str, max_bs: int, count: bool,
+                  patch: Any = None) -> dict[str, Any]:
     """`steps` decode steps of `batch` requests after a warm-up, every request decoding throughout:
     timed (wall and process CPU per step) or, with `count`, their torch ops counted (which slows
     them: the two are separate runs)."""
     from tandem.protocol.messages import GenerateReq, ShutdownReq
 
-    sched, inbox, outs = build(model, max_bs, context)
+    patch = patch or _Patch()
+    sched, inbox, outs = build(model, max_bs, context, patch)
     counter = OpCounter()
-    counter.mark_foreign(sched.runner.attn_backend)
+    counter.mark_foreign(sched.runner.attn_backend, patch)
     g = torch.Generator().manual_seed(batch)
     warm = 4
     for i in range(batch):  # room past the window: no request finishes inside it

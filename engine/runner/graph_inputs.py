@@ -56,7 +56,8 @@ class DecodeGraphInputs:
         self._stages = [torch.zeros((FIELDS, max_bs), dtype=torch.int64, pin_memory=self._cuda)
                         for _ in range(2 if device.type != "meta" else 0)]
         self._arrays = [s.numpy() for s in self._stages]  # made once: each .numpy() is two torch ops
-        self._copied: list[object | None] = [None, None]
+        self._copied = [torch.cuda.Event() for _ in self._stages] if self._cuda else []
+        self._recorded = [False, False]
         self._turn = 0
         self._batches: dict[int, ForwardBatch] = {}
 
@@ -83,20 +84,17 @@ class DecodeGraphInputs:
         """Write a step of b = len(rows) rows into the next host buffer, pad to bucket `bs`, and copy
         the buffer to the device; return the bucket's static batch, its host lists updated."""
         b = len(rows)
-        stage = self._stages[self._turn]
-        done = self._copied[self._turn]
-        if done is not None:
-            done.synchronize()  # type: ignore[attr-defined]
-        a = self._arrays[self._turn]
+        stage, a = self._stages[self._turn], self._arrays[self._turn]
+        if self._recorded[self._turn]:
+            self._copied[self._turn].synchronize()
         a[INPUT, :b], a[POS, :b], a[LOC, :b], a[ROW, :b] = input_ids, positions, locs, rows
         a[FUT, :b] = np.arange(future_slots.start, future_slots.stop) if future_slots is not None else 0
         a[:, b:bs] = 0
         a[ROW, b:bs] = self.scratch_row
         self.packed.copy_(stage, non_blocking=True)
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[self._turn] = event
+            self._copied[self._turn].record()
+            self._recorded[self._turn] = True
         self._turn ^= 1
         batch = self.batch(bs)
         seq = a[POS, :bs] + 1

@@ -172,6 +172,21 @@ def test_mirror_check_covers_a_big_table_in_turns() -> None:
         pool.check_integrity()  # small: the whole table at once
 
 
+def test_a_discarded_row_is_synced_from_the_mirror() -> None:
+    """The forward writes a decode step's table cells on the device; a step that failed before
+    writing them leaves the device behind the mirror. Discarding the failed request's row copies
+    the mirror's row over, so the idle integrity check still finds them equal."""
+    from tandem.engine.kvcache.req_table import ReqToTokenPool
+
+    pool = ReqToTokenPool(4, 16, "cpu", host_mirror=True)
+    pool.write(2, 0, torch.arange(5))
+    pool.write_decode_cells(np.array([2]), np.array([5]), np.array([9]))  # its forward never ran
+    with pytest.raises(AssertionError, match="mirror"):
+        pool.check_integrity()
+    pool.sync_rows([2])
+    pool.check_integrity()
+
+
 def test_future_ids_are_stored_as_a_slice_without_moving_the_indices() -> None:
     """Indexing the ring with the slots would copy them to the device with a sync: on a GPU the
     forward thread waited there for its whole step (1.1 ms of a 2.3 ms step on the H200)."""
