@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from tandem.loadgen.cli import cpu_name
+
 ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions a result depends on; the first installed name of each entry counts.
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
@@ -72,21 +74,11 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model and the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{cpu_model()} ({torch.get_num_threads()} threads)"
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def source_digest() -> str:
@@ -116,7 +108,7 @@ def git_commit() -> str | None:
 def environment(device: torch.device) -> dict[str, Any]:
     return {"device": device.type, "device_name": device_name(device), "versions": versions(),
             "git_commit": git_commit(), "source_digest": source_digest(), "argv": sys.argv,
-            "cpu": cpu_model(), "hostname": platform.node()}
+            "cpu": cpu_name(), "hostname": platform.node()}
 
 
 def _decode_kernel(runner: Any) -> str | None:

@@ -77,7 +77,7 @@ def _model(url: str, headers: dict[str, str]) -> str:
         raise SystemExit(f"tandem bench: no model id from {url}/v1/models ({exc}); pass --model") from None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
         "command": ["tandem", *sys.argv[1:]], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
         "workload": dataclasses.asdict(spec), "load": dataclasses.asdict(load),
         "endpoints": dict(zip(labels, urls)), "runs": dict(zip(labels, summaries)),
     }

@@ -142,24 +142,31 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
              num_kv_heads: int, head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE",
              q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None,
              sm_scale: float | None = None) -> None:
-        batch = len(last_page_len)
-        if len(indptr) != batch + 1:
-            raise ValueError(f"indptr holds {len(indptr)} entries for a batch of {batch}")
-        if self.graph:
-            if batch != self.fixed:
-                raise ValueError("The batch size should be fixed in cudagraph mode")
-            if len(indices) > len(self.indices):
-                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-        self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices,
-                   (num_qo_heads, num_kv_heads, head_dim), page_size, q_data_type, kv_data_type, sm_scale)
-        PLANS.append(Plan("decode", indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
-        self.batch = batch
+        if len(indptr) != len(last_page_len) + 1:
+            raise ValueError(f"indptr holds {len(indptr)} entries for a batch of {len(last_page_len)}")
+        self._plan_decode("decode", indptr, indices, last_page_len, (num_qo_heads, num_kv_heads, head_dim),
+                          page_size, q_data_type, kv_data_type, sm_scale)
         if self.graph:  # stream-ordered copies into the fixed buffers the graph reads
             self.indptr.copy_(indptr)
             self.last.copy_(last_page_len)
             self.indices[: len(indices)].copy_(indices)
         else:
             self.indices = indices  # the caller's tensor, not a copy
+
+    def _plan_decode(self, kind: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                     heads: tuple[int, int, int], page_size: int, q_dtype: torch.dtype,
+                     kv_dtype: torch.dtype | None, sm_scale: float | None) -> None:
+        """What a full plan and the fast re-plan share: the fixed batch and buffer checks, the plan."""
+        batch = len(last_page_len)
+        if self.graph:
+            if batch != self.fixed:
+                raise ValueError("The batch size should be fixed in cudagraph mode")
+            if len(indices) > len(self.indices):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+        self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices, heads, page_size, q_dtype,
+                   kv_dtype, sm_scale)
+        PLANS.append(Plan(kind, indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
+        self.batch = batch
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         copy = self._check_run(q, kv, self.batch, "the batch size planned")
@@ -188,17 +195,8 @@ def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Ten
     CUDA graphs it copies NOTHING into the fixed buffers, which the caller fills on the device."""
     if getattr(self, "_copy", None) is None:
         raise AttributeError("'BatchDecodeWithPagedKVCacheWrapper' object has no attribute '_cached_module'")
-    batch = len(last_page_len)
-    if self.graph:
-        if batch != self.fixed:
-            raise ValueError("The batch size should be fixed in cudagraph mode")
-        if len(indices) > len(self.indices):
-            raise ValueError("The size of indices should be less than or equal to the allocated buffer")
-    self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices,
-               (num_qo_heads, num_kv_heads, head_dim), page_size, q_data_type or torch.float16, kv_data_type,
-               sm_scale)
-    PLANS.append(Plan("fast-decode", indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
-    self.batch = batch
+    self._plan_decode("fast-decode", indptr, indices, last_page_len, (num_qo_heads, num_kv_heads, head_dim),
+                      page_size, q_data_type or torch.float16, kv_data_type, sm_scale)
     if not self.graph:
         self.indices = indices
 
