@@ -230,3 +230,44 @@ def test_models_give_the_same_logits_with_rope_and_the_store_fused(model_path) -
     eager and through the graph runner (Qwen3 at page size 16, Llama at 1)."""
     paths = [str(model_path(arch)) for arch in ("tiny", "tiny-llama")]
     _run_in_child(f"PATHS = {paths!r}\n" + _MODELS, "flashinfer-standin", interpret=True)
+
+
+def test_the_backend_offers_its_slots_only_where_the_kernel_runs(monkeypatch) -> None:
+    """fused_rope_kv: None takes the fused path where Triton runs (CUDA), False never, and True
+    where it cannot run is refused when the backend is built, never mid-forward."""
+    from types import SimpleNamespace
+
+    import fake_flashinfer
+    import torch
+
+    from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.kvcache.memory_pool import TokenToKVPool
+    from tandem.engine.kvcache.req_table import ReqToTokenPool
+    from tandem.engine.model_config import RunnerConfig
+    from tandem.engine.models import rope_kv_triton
+
+    fake_flashinfer.install(monkeypatch)
+
+    def backend(setting: bool | None, head_dim: int = 64) -> FlashInferAttentionBackend:
+        return FlashInferAttentionBackend(SimpleNamespace(
+            req_to_token_pool=ReqToTokenPool(2, 16, "cpu"),
+            kv_pool=TokenToKVPool(9, 1, 3, 2, head_dim, torch.bfloat16, "cpu"), device=torch.device("cpu"),
+            num_heads=8, num_kv_heads=2, head_dim=head_dim, scaling=0.1, dtype=torch.bfloat16, page_size=1,
+            config=RunnerConfig(fused_rope_kv=setting)))
+
+    batch = SimpleNamespace(out_cache_loc=torch.tensor([3, 5]))
+    assert backend(None).kv_slots(1, batch) is None  # CPU: the backend stores
+    with pytest.raises(ValueError, match="fused_rope_kv=true needs Triton on a CUDA device"):
+        backend(True)
+    monkeypatch.setattr(rope_kv_triton, "available", lambda device: True)
+    fused = backend(None)
+    slots, pool = fused.kv_slots(1, batch), fused.ctx.kv_pool
+    assert slots.loc is batch.out_cache_loc  # the batch's own (under graphs: static) slots
+    assert slots.k_buffer.data_ptr() == pool.k_buffer(1).data_ptr() and slots.v_buffer.equal(pool.v_buffer(1))
+    assert backend(False).kv_slots(1, batch) is None
+    with pytest.raises(ValueError, match="head_dim 64, 128 or 256"):
+        backend(True, head_dim=96)
+    with pytest.raises(ValueError, match="fused_rope_kv must be true, false or null"):
+        EngineConfig.from_kwargs(fused_rope_kv="false")
+    assert EngineConfig.from_kwargs(fused_rope_kv=False).runner_config().fused_rope_kv is False
