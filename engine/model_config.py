@@ -150,7 +150,7 @@ class RunnerConfig:
     # FlashInfer's tensor-core decode splits each request's KV over several CTAs and merges them.
     # None: split only while the batch leaves SMs idle (attention/split_kv.py); False: never.
     decode_split_kv: bool | None = None
-    # RoPE and the layer's K/V store in one Triton launch (models/rope_kv_triton.py), with the
+    # RoPE and the layer's K/V store in one Triton launch (kvcache/rope_kv_triton.py), with the
     # FlashInfer layer ops. None: where Triton runs (CUDA).
     fused_rope_kv: bool | None = None
     disable_cuda_graph: bool = False

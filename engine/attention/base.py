@@ -13,7 +13,7 @@ Contract (tests/engine/test_attention_contract.py runs it against every backend)
   the attention output. Token t of request i attends to positions
   [0, prefix_lens[i] + t] of request i and nothing else.
 - `kv_slots(layer, batch)` may instead offer the layer's pool slots to a layer op
-  that fuses RoPE with the store (models/rope_kv_triton.py); the model then passes
+  that fuses RoPE with the store (kvcache/rope_kv_triton.py); the model then passes
   `kv_stored=True`, and forward reads k/v (already in the pool) without storing
   them again. None (the default): forward stores them.
 - Shapes: q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads,
@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
-from tandem.engine.models.layer_ops import KVSlots
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 
 class AttentionBackend(ABC):

@@ -33,8 +33,8 @@ import torch
 from tandem.engine.attention import page_gather, split_kv
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
-from tandem.engine.models import rope_kv_triton
-from tandem.engine.models.layer_ops import KVSlots
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 _WORKSPACE_BYTES = 256 << 20
 

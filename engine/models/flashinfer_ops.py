@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.models import rope_kv_triton
-from tandem.engine.models.layer_ops import Heads, KVSlots, RopeBatch
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.kvcache.kv_slots import KVSlots
+from tandem.engine.models.layer_ops import Heads, RopeBatch
 
 if TYPE_CHECKING:
     from tandem.engine.models.layers import RotaryEmbedding

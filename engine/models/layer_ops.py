@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 if TYPE_CHECKING:
     from tandem.engine.models.layers import RotaryEmbedding
@@ -53,16 +54,6 @@ class Heads:
         q, k, v = qkv.split([self.q * self.dim, self.kv * self.dim, self.kv * self.dim], dim=-1)
         n = qkv.shape[0]
         return q.view(n, self.q, self.dim), k.view(n, self.kv, self.dim), v.view(n, self.kv, self.dim)
-
-
-@dataclass(frozen=True)
-class KVSlots:
-    """Where a layer's K and V of this forward go: the pool's contiguous (slots, kv_heads, head_dim)
-    buffers of the layer, and each token's slot."""
-
-    k_buffer: torch.Tensor
-    v_buffer: torch.Tensor
-    loc: torch.Tensor  # (tokens,) int64
 
 
 @dataclass

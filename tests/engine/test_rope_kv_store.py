@@ -2,7 +2,7 @@
 for bit to its unfused chain: its own `qk_rope`, then k and v into the pool slots.
 
     torch, cpu-kernels   the chain itself (they never fuse; their forwards keep the backend's store)
-    flashinfer-standin   FlashInferLayerOps' fused Triton kernel (models/rope_kv_triton.py) through
+    flashinfer-standin   FlashInferLayerOps' fused Triton kernel (kvcache/rope_kv_triton.py) through
                          Triton's interpreter, against the stand-in's RoPE (fp32, one rounding)
     flashinfer           the same on the GPU, against that chain computed by torch ops; FlashInfer's
                          own RoPE (which may contract a multiply-add) within one rounding of it; and
@@ -46,8 +46,10 @@ import copy
 import torch
 from transformers import LlamaConfig
 from tandem.engine.kernels import cpu_kernels
-from tandem.engine.models import layer_ops, rope_kv_triton
-from tandem.engine.models.layer_ops import TORCH, Heads, KVSlots
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.kvcache.kv_slots import KVSlots
+from tandem.engine.models import layer_ops
+from tandem.engine.models.layer_ops import TORCH, Heads
 from tandem.engine.models.layers import RotaryEmbedding
 
 if IMPL == "cpu-kernels" and not cpu_kernels.enabled("layer_ops"):
@@ -177,7 +179,8 @@ from types import SimpleNamespace
 from _pytest.monkeypatch import MonkeyPatch
 from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from tandem.engine.model_config import RunnerConfig
-from tandem.engine.models import layer_ops_choice, rope_kv_triton
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.models import layer_ops_choice
 from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 from tandem.engine.runner.model_runner import ModelRunner
 from tandem.engine.runner.static_generate import StaticBatch
@@ -242,10 +245,10 @@ def test_the_backend_offers_its_slots_only_where_the_kernel_runs(monkeypatch) ->
 
     from tandem.engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.kvcache import rope_kv_triton
     from tandem.engine.kvcache.memory_pool import TokenToKVPool
     from tandem.engine.kvcache.req_table import ReqToTokenPool
     from tandem.engine.model_config import RunnerConfig
-    from tandem.engine.models import rope_kv_triton
 
     fake_flashinfer.install(monkeypatch)
 
@@ -264,7 +267,8 @@ def test_the_backend_offers_its_slots_only_where_the_kernel_runs(monkeypatch) ->
     fused = backend(None)
     slots, pool = fused.kv_slots(1, batch), fused.ctx.kv_pool
     assert slots.loc is batch.out_cache_loc  # the batch's own (under graphs: static) slots
-    assert slots.k_buffer.data_ptr() == pool.k_buffer(1).data_ptr() and slots.v_buffer.equal(pool.v_buffer(1))
+    assert [b.data_ptr() for b in (slots.k_buffer, slots.v_buffer)] == [pool.k_buffer(1).data_ptr(),
+                                                                         pool.v_buffer(1).data_ptr()]
     assert backend(False).kv_slots(1, batch) is None
     with pytest.raises(ValueError, match="head_dim 64, 128 or 256"):
         backend(True, head_dim=96)
