@@ -252,10 +252,11 @@ def test_the_backend_offers_its_slots_only_where_the_kernel_runs(monkeypatch) ->
 
     fake_flashinfer.install(monkeypatch)
 
-    def backend(setting: bool | None, head_dim: int = 64) -> FlashInferAttentionBackend:
+    def backend(setting: bool | None, head_dim: int = 64, kv_dtype: torch.dtype = torch.bfloat16
+                ) -> FlashInferAttentionBackend:
         return FlashInferAttentionBackend(SimpleNamespace(
             req_to_token_pool=ReqToTokenPool(2, 16, "cpu"),
-            kv_pool=TokenToKVPool(9, 1, 3, 2, head_dim, torch.bfloat16, "cpu"), device=torch.device("cpu"),
+            kv_pool=TokenToKVPool(9, 1, 3, 2, head_dim, kv_dtype, "cpu"), device=torch.device("cpu"),
             num_heads=8, num_kv_heads=2, head_dim=head_dim, scaling=0.1, dtype=torch.bfloat16, page_size=1,
             config=RunnerConfig(fused_rope_kv=setting)))
 
@@ -272,6 +273,9 @@ def test_the_backend_offers_its_slots_only_where_the_kernel_runs(monkeypatch) ->
     assert backend(False).kv_slots(1, batch) is None
     with pytest.raises(ValueError, match="head_dim 64, 128 or 256"):
         backend(True, head_dim=96)
+    assert backend(None, kv_dtype=torch.float16).kv_slots(1, batch) is None  # the store would convert
+    with pytest.raises(ValueError, match="KV pool of the activation dtype"):
+        backend(True, kv_dtype=torch.float16)
     with pytest.raises(ValueError, match="fused_rope_kv must be true, false or null"):
         EngineConfig.from_kwargs(fused_rope_kv="false")
     assert EngineConfig.from_kwargs(fused_rope_kv=False).runner_config().fused_rope_kv is False
