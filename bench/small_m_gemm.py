@@ -13,6 +13,8 @@ change the engine could make, measured before it is built:
     linear       F.linear(x, W): what the engine runs (cuBLAS, TN)
     cublaslt     the same through cuBLASLt (torch.backends.cuda.preferred_blas_library)
     pretransposed  x @ Wt with Wt = W.T stored contiguous (cuBLAS NN): a load-time re-layout
+    fp32_reduce  F.linear with torch's bf16 reduced-precision reductions off, which changes the
+                 split-K kernels cuBLAS may pick for a small M (CUDA only)
 
 On CUDA each timing replays a CUDA graph of `--iters` calls, as the decode step runs them,
 so launch overhead is out of it; on CPU (the smoke test) it is a plain loop. Output: a table and
@@ -38,7 +40,8 @@ SHAPES = {
                  ("down_proj", 14336, 4096), ("lm_head", 4096, 128256)],
     "tiny": [("qkv_proj", 64, 192), ("o_proj", 64, 64)],
 }
-FORMS = ("linear", "cublaslt", "pretransposed")
+FORMS = ("linear", "cublaslt", "pretransposed", "fp32_reduce")
+CUDA_ONLY = {"cublaslt", "fp32_reduce"}
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -87,13 +90,16 @@ def measure(device: torch.device, shape: str, rows: list[int], iters: int, dtype
         for m in rows:
             x = torch.randn(m, k, device=device).to(dtype)
             for f in FORMS:
-                if f == "cublaslt" and device.type != "cuda":
+                if f in CUDA_ONLY and device.type != "cuda":
                     continue
+                reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
                 if f == "cublaslt":
                     torch.backends.cuda.preferred_blas_library("cublaslt")
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced and f != "fp32_reduce"
                 try:
                     seconds = timed(form(f, x, w, wt), device, iters)
                 finally:
+                    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
                     if blas is not None:
                         torch.backends.cuda.preferred_blas_library(blas)
                 results.append({"linear": name, "in": k, "out": n, "rows": m, "form": f, "us": seconds * 1e6,

@@ -23,7 +23,7 @@ def test_small_m_gemm_smoke(device: str, shape: str, tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["device"] == device and res["copy_bandwidth_GBps"] > 0
     rows = res["shapes"][shape]
-    forms = {"linear", "pretransposed"} | ({"cublaslt"} if device == "cuda" else set())
+    forms = {"linear", "pretransposed"} | ({"cublaslt", "fp32_reduce"} if device == "cuda" else set())
     assert {(r["linear"], r["rows"], r["form"]) for r in rows} == {
         (name, m, f) for name in {r["linear"] for r in rows} for m in (1, 2) for f in forms}
     assert all(r["us"] > 0 and r["weight_GBps"] > 0 for r in rows)
