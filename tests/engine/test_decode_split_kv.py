@@ -107,3 +107,48 @@ def test_the_backend_plans_each_decode_by_its_batch_size(fi: ModuleType, monkeyp
             backend.plan_graph_decode(states[bs], batch)
     plans = [p for p in fake_flashinfer.PLANS if p.kind == "decode"]
     assert [(p.batch, p.split_kv_off) for p in plans] == [(bs, off[bs]) for bs in (4, 4, 4, 2, 2, 2)]
+
+
+@pytest.mark.gpu
+def test_real_decode_gives_the_same_attention_split_or_not_under_a_graph() -> None:
+    """FlashInfer's tensor-core decode in a captured bucket, planned with disable_split_kv False and
+    True (at batch 4 the search splits these lengths: the two forms really differ), against dense
+    attention."""
+    from test_attention_contract import _dense  # dense attention over the same HEADS, KV_HEADS, DIM
+
+    lens, outs, page = [300, 17, 1000, 64], {}, 16
+    torch.manual_seed(0)
+    ctx = SimpleNamespace(
+        req_to_token_pool=ReqToTokenPool(8, 1024, "cuda"), kv_pool=TokenToKVPool(100, page, 1, KV_HEADS, DIM, BF16,
+                                                                                   "cuda"),
+        device=torch.device("cuda"), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scaling=DIM**-0.5,
+        dtype=BF16, page_size=page, config=RunnerConfig())
+    rows = ctx.req_to_token_pool.alloc(len(lens))
+    full, locs = [], []
+    for row, n in zip(rows, lens):
+        slots = ctx.kv_pool.allocator.alloc(n)
+        ctx.req_to_token_pool.write(row, 0, slots)
+        k, v = (torch.randn(n, ctx.num_kv_heads, ctx.head_dim, dtype=BF16, device="cuda") for _ in range(2))
+        ctx.kv_pool.set_kv(0, slots.to("cuda"), k, v)
+        full.append((k, v))
+        locs.append(slots[-1])
+    batch = ForwardBatch.build(ForwardMode.DECODE, [0] * len(lens), rows, [n - 1 for n in lens], [1] * len(lens),
+                               torch.stack(locs), "cuda")
+    q = torch.randn(len(lens), ctx.num_heads, ctx.head_dim, dtype=BF16, device="cuda")
+    for setting in (True, False):
+        ctx.config = RunnerConfig(decode_split_kv=setting)
+        backend = flashinfer_backend.FlashInferAttentionBackend(ctx)
+        state = backend.graph_states([len(lens)], 1024 // page)[len(lens)]
+        backend.plan_graph_decode(state, batch)
+        backend.use_graph_state(state)
+        backend.forward_decode(q, None, None, 0, batch)  # builds and loads the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward_decode(q, None, None, 0, batch)
+        graph.replay()
+        outs[setting] = out.clone()
+    for i, (k, v) in enumerate(full):
+        want = _dense(q[i : i + 1], k, v, lens[i] - 1)
+        for setting, out in outs.items():
+            torch.testing.assert_close(out[i : i + 1].float(), want, atol=2e-2, rtol=2e-2, msg=str(setting))
