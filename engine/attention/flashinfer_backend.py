@@ -83,12 +83,12 @@ def fused_rope_kv(ctx: object) -> bool:
     """Whether the backend offers its pool slots to a layer op that fuses RoPE with the K/V store
     (`fused_rope_kv` in the runner's config; None: where the Triton kernel runs, CUDA). Only
     layer ops that can fuse take them (FlashInfer's); the others keep the backend's store."""
-    device, head_dim = torch.device(ctx.device), ctx.head_dim  # type: ignore[attr-defined]
-    # The kernel stores what it computes: a pool of another dtype than the activations needs the
-    # converting store (memory_pool.set_kv).
-    same_dtype = ctx.kv_pool.dtype == ctx.dtype  # type: ignore[attr-defined]
-    runs = rope_kv_triton.available(device) and rope_kv_triton.supports(head_dim) and same_dtype
     setting = ctx.config.fused_rope_kv  # type: ignore[attr-defined]
+    # Checked in this order, each only where the last holds. The kernel stores what it computes:
+    # a pool of another dtype than the activations needs the converting store (memory_pool.set_kv).
+    runs = (rope_kv_triton.available(torch.device(ctx.device))  # type: ignore[attr-defined]
+            and rope_kv_triton.supports(ctx.head_dim)  # type: ignore[attr-defined]
+            and ctx.kv_pool.dtype == ctx.dtype)  # type: ignore[attr-defined]
     if setting and not runs:
         raise ValueError("fused_rope_kv=true needs Triton on a CUDA device, head_dim 64, 128 or 256 and a KV pool "
                          "of the activation dtype")
