@@ -114,7 +114,7 @@ if [ -z "$DRY" ]; then
     MODEL=${MODEL:-llama-1b-shape} MODEL_8B=${MODEL_8B:-llama-8b-shape}
     BATCHES=${BATCHES:-1,64} STEPS=${STEPS:-64} CONTEXT=${CONTEXT:-512} PREFILL=${PREFILL:-8x2048}
     HF_STATIC=${HF_STATIC:-compiled} KV=(--tokens 4096) KV_ROUNDS=5
-    DECODE_VARIANTS=${DECODE_VARIANTS-decode_tensor_cores=false page_size=16}
+    DECODE_VARIANTS=${DECODE_VARIANTS-fused_rope_kv=false decode_split_kv=true decode_tensor_cores=false page_size=16}
 else
     # CPU, no kit: the same steps and files on the tiny model; what needs CUDA or the kit is skipped.
     PY=${PYTHON:-python3} DEV=cpu

@@ -50,6 +50,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     layer_ops: str = "auto"  # norms, RoPE, SiLU*mul: auto | torch | cpu-kernels | flashinfer (models/layer_ops.py)
     decode_tensor_cores: bool | None = None  # FlashInfer decode kernel; None: by heads per KV head
+    decode_split_kv: bool | None = None  # FlashInfer's split-KV decode; None: off once the batch fills the GPU
+    fused_rope_kv: bool | None = None  # RoPE + K/V store in one Triton launch; None: on CUDA
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     max_context_len: int | None = None
@@ -96,9 +98,11 @@ class EngineConfig:
                 raise ValueError(f"dist_init_addr must be host:port with a port in 1024..{65535 - self.dp_size}")
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must be >= 0")
-        if self.decode_tensor_cores is not None and not isinstance(self.decode_tensor_cores, bool):
-            # a quoted "false" in an engine YAML would otherwise read as true
-            raise ValueError(f"decode_tensor_cores must be true, false or null, got {self.decode_tensor_cores!r}")
+        for switch in ("decode_tensor_cores", "decode_split_kv", "fused_rope_kv"):
+            value = getattr(self, switch)
+            if value is not None and not isinstance(value, bool):
+                # a quoted "false" in an engine YAML would otherwise read as true
+                raise ValueError(f"{switch} must be true, false or null, got {value!r}")
         if self.schedule_conservativeness <= 0:
             raise ValueError("schedule_conservativeness must be > 0")
         from tandem.engine.grammar.registry import BACKENDS  # torch-free at import: a dict of factories
@@ -134,7 +138,8 @@ class EngineConfig:
             max_total_tokens=self.max_total_tokens, mem_fraction_static=self.mem_fraction_static,
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
             attention_backend=self.attention_backend, layer_ops=self.layer_ops,
-            decode_tensor_cores=self.decode_tensor_cores,
+            decode_tensor_cores=self.decode_tensor_cores, decode_split_kv=self.decode_split_kv,
+            fused_rope_kv=self.fused_rope_kv,
             disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
         )

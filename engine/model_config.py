@@ -147,6 +147,12 @@ class RunnerConfig:
     # FlashInfer decode: the tensor-core kernel (its prefill kernel) or the CUDA-core one.
     # None: tensor cores once 4 or more query heads share a KV head, as SGLang decides.
     decode_tensor_cores: bool | None = None
+    # FlashInfer's tensor-core decode splits each request's KV over several CTAs and merges them.
+    # None: split only while the batch leaves SMs idle (attention/split_kv.py); False: never.
+    decode_split_kv: bool | None = None
+    # RoPE and the layer's K/V store in one Triton launch (kvcache/rope_kv_triton.py), with the
+    # FlashInfer layer ops. None: where Triton runs (CUDA).
+    fused_rope_kv: bool | None = None
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests

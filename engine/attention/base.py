@@ -12,6 +12,10 @@ Contract (tests/engine/test_attention_contract.py runs it against every backend)
   `batch.out_cache_loc` in layer `layer` (its one side effect), then returns
   the attention output. Token t of request i attends to positions
   [0, prefix_lens[i] + t] of request i and nothing else.
+- `kv_slots(layer, batch)` may instead offer the layer's pool slots to a layer op
+  that fuses RoPE with the store (kvcache/rope_kv_triton.py); the model then passes
+  `kv_stored=True`, and forward reads k/v (already in the pool) without storing
+  them again. None (the default): forward stores them.
 - Shapes: q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads,
   head_dim); output (num_tokens, num_heads * head_dim) in q's dtype.
 - EXTEND and MIXED batches go to `forward_extend`, DECODE to `forward_decode`.
@@ -28,6 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 
 class AttentionBackend(ABC):
@@ -51,9 +56,17 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
+    def kv_slots(self, layer: int, batch: ForwardBatch) -> KVSlots | None:
+        """Where a fused RoPE + store may write this layer's k and v, or None: forward stores them."""
+        return None
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        """`kv_stored`: the caller wrote k and v to the slots `kv_slots` gave it."""
+        if not kv_stored:
+            self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)  # type: ignore[attr-defined]
         if batch.mode == ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)

@@ -34,9 +34,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from tandem.engine.attention import page_gather
+from tandem.engine.attention import page_gather, split_kv
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 _WORKSPACE_BYTES = 256 << 20
 
@@ -104,6 +106,22 @@ def decode_tensor_cores(ctx: object) -> bool:
     return forced if forced is not None else ctx.num_heads // ctx.num_kv_heads >= 4  # type: ignore[attr-defined]
 
 
+def fused_rope_kv(ctx: object) -> bool:
+    """Whether the backend offers its pool slots to a layer op that fuses RoPE with the K/V store
+    (`fused_rope_kv` in the runner's config; None: where the Triton kernel runs, CUDA). Only
+    layer ops that can fuse take them (FlashInfer's); the others keep the backend's store."""
+    setting = ctx.config.fused_rope_kv  # type: ignore[attr-defined]
+    # Checked in this order, each only where the last holds. The kernel stores what it computes:
+    # a pool of another dtype than the activations needs the converting store (memory_pool.set_kv).
+    runs = (rope_kv_triton.available(torch.device(ctx.device))  # type: ignore[attr-defined]
+            and rope_kv_triton.supports(ctx.head_dim)  # type: ignore[attr-defined]
+            and ctx.kv_pool.dtype == ctx.dtype)  # type: ignore[attr-defined]
+    if setting and not runs:
+        raise ValueError("fused_rope_kv=true needs Triton on a CUDA device, head_dim 64, 128 or 256 and a KV pool "
+                         "of the activation dtype")
+    return runs if setting is None else setting
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
@@ -132,6 +150,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned: dict[int, torch.cuda.Event | torch.cpu.Event] = {}
         self._one_launch = page_gather.available(torch.device(ctx.device))  # the page table in one kernel
         self._fast_plan = fast_decode_plan(flashinfer)
+        self._sms = split_kv.sm_count(torch.device(ctx.device))
+        self._fused_rope_kv = fused_rope_kv(ctx)
+
+    def _split_kv_off(self, batch_size: int) -> bool:
+        """disable_split_kv for a decode plan (split_kv.py): a function of the batch size alone, so
+        each graph bucket's wrapper is planned alike at capture and at every replay."""
+        return split_kv.split_kv_off(batch_size, self.ctx.num_kv_heads, self._sms, self.ctx.config.decode_split_kv)
 
     # ---- plans -------------------------------------------------------------------------------
     def _table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,7 +188,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fenced_plan(
             wrapper, indptr, indices, last, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, ctx.page_size,
             plan=plan, pos_encoding_mode="NONE", q_data_type=ctx.dtype, kv_data_type=ctx.kv_pool.dtype,
-            sm_scale=ctx.scaling,
+            sm_scale=ctx.scaling, disable_split_kv=self._split_kv_off(batch.batch_size),
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -232,6 +257,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.active_decode_wrapper = state.wrapper if state is not None else self.decode_wrapper  # type: ignore[attr-defined]
 
     # ---- forward -----------------------------------------------------------------------------
+    def kv_slots(self, layer: int, batch: ForwardBatch) -> KVSlots | None:
+        if not self._fused_rope_kv:
+            return None
+        pool = self.ctx.kv_pool
+        return KVSlots(pool.k_buffer(layer), pool.v_buffer(layer), batch.out_cache_loc)
+
     def _paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool, P = self.ctx.kv_pool, self.ctx.page_size
         k = pool.k_buffer(layer)
@@ -240,15 +271,19 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
+        # k/v are in the pool (forward stored them, or the fused RoPE did). q goes as the strided
+        # view of the qkv rows it is: both prefill kernels read it through its row and head strides
+        # (FA2: csrc/batch_prefill.cu and batch_prefill_paged.cuh; FA3, which Hopper runs: its TMA
+        # descriptor is built from the same strides, csrc/batch_prefill_sm90.cu, which need only
+        # be 16-byte multiples, as a qkv row's are). Only FlashInfer's trtllm-gen and fmha_v2
+        # paths copy q, and neither serves these wrappers on Hopper.
         if self._ragged:
-            return self.ragged_wrapper.run(q.contiguous(), k, v).flatten(1)
-        return self.prefill_wrapper.run(q.contiguous(), self._paged(layer)).flatten(1)
+            return self.ragged_wrapper.run(q, k, v).flatten(1)
+        return self.prefill_wrapper.run(q, self._paged(layer)).flatten(1)
 
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
         # q as the model hands it over, a strided view of the qkv rows: both decode kernels read
         # q through its row and head strides (csrc/batch_decode.cu, batch_prefill.cu), so a copy
         # would cost a launch per layer for nothing. (FlashInfer copies q itself only for its

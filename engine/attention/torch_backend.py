@@ -108,14 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_mask = valid[:, None, None, :]
         batch.attn_metadata = meta
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> None:
-        self.ctx.kv_pool.set_kv(layer, batch.out_cache_loc, k, v)
-
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self._store(k, v, layer, batch)
-        meta: _Metadata = batch.attn_metadata
+        meta: _Metadata = batch.attn_metadata  # k/v are in the pool: forward stored them
         kbuf, vbuf = self.ctx.kv_pool.k_buffer(layer), self.ctx.kv_pool.v_buffer(layer)
         if meta.extend_kernel_args is not None:
             out = cpu_kernels.paged_extend_attention(
@@ -151,7 +147,6 @@ class TorchAttentionBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        self._store(k, v, layer, batch)
         return self._decode(q, layer, batch.attn_metadata).flatten(1)
 
     def _decode(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:

@@ -9,6 +9,10 @@ step):
     silu_and_mul        one pass over gate_up
     rmsnorm             the first layer's norm and (Qwen3) the per-head q/k norms
 
+With `qk_rope_store` (the attention backend hands over the layer's pool slots: fused_rope_kv),
+RoPE and the K/V store are one Triton kernel instead (rope_kv_triton.py), over the same table
+and with the same fp32 math; qk-norm still runs first, as FlashInfer's rmsnorm.
+
 Numerics: each kernel computes in fp32 and rounds once, where HF's bf16 chain rounds after
 every op, so results are not bit-equal to the torch path but at least as close to an fp32
 reference (the GPU tests hold them to HF's own bf16 error). RoPE reads a (positions, dim) fp32
@@ -25,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.kvcache import rope_kv_triton
+from tandem.engine.kvcache.kv_slots import KVSlots
 from tandem.engine.models.layer_ops import Heads, RopeBatch
 
 if TYPE_CHECKING:
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 
 class FlashInferLayerOps:
     name = "flashinfer"
+    fuses_kv_store = True  # where the backend offers slots: it does so only where Triton runs
 
     def __init__(self, rotary: RotaryEmbedding) -> None:
         """For the model whose RoPE is `rotary`: its table is built here, before any forward
@@ -74,11 +81,23 @@ class FlashInferLayerOps:
     def rope_batch(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> RopeBatch:
         return RopeBatch(positions, self._table)  # the table of the model these ops were built for
 
-    def qk_rope(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
-                k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = heads.split(qkv)  # strided views: both kernels take a row stride
+    def _qk_norm(self, qkv: torch.Tensor, heads: Heads, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = heads.split(qkv)  # strided views: the RoPE kernels take a row stride
         if q_norm is not None and k_norm is not None:
             # Out of place: the kernel's input and output pointers are __restrict__.
             q, k = self._norm.rmsnorm(q, q_norm, eps), self._norm.rmsnorm(k, k_norm, eps)
+        return q, k, v
+
+    def qk_rope(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self._qk_norm(qkv, heads, q_norm, k_norm, eps)
         self._rope.apply_rope_with_cos_sin_cache_inplace(rope.positions, q, k, heads.dim, rope.cos, is_neox=True)
+        return q, k, v
+
+    def qk_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float,
+                      slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self._qk_norm(qkv, heads, q_norm, k_norm, eps)
+        rope_kv_triton.rope_store(q, k, v, rope.positions, rope.cos, slots.k_buffer, slots.v_buffer, slots.loc)
         return q, k, v

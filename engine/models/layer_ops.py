@@ -18,6 +18,11 @@ The contract (tests/engine/test_layer_ops_contract.py runs it over every impleme
 - `qk_rope(qkv, rope, heads, q_norm, k_norm, eps)` -> q (n, Hq, D), k and v (n, Hkv, D) of the
   qkv rows (n, (Hq + 2 Hkv) D): optional per-head RMSNorm (Qwen3), then neox RoPE. v is a view
   of qkv; q and k may be, and qkv's q/k columns may be overwritten.
+- `qk_rope_store(qkv, rope, heads, q_norm, k_norm, eps, slots)`: qk_rope, then k and v written to
+  the layer's pool slots, equal bit for bit to that chain (`rope_then_store`). An implementation
+  with `fuses_kv_store` does both in one kernel, and the model then hands the attention backend
+  k/v already stored (attention/base.py); the others only ever run the chain, which is the store
+  the backend itself makes, so their forwards are unchanged.
 All take and return the activation dtype; where they round differs (each file says how).
 Which one a runner uses is layer_ops_choice.py's decision.
 """
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.kvcache.kv_slots import KVSlots
 
 if TYPE_CHECKING:
     from tandem.engine.models.layers import RotaryEmbedding
@@ -75,6 +81,22 @@ class LayerOps(Protocol):
     def qk_rope(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    fuses_kv_store: bool
+
+    def qk_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float,
+                      slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def rope_then_store(ops: LayerOps, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, eps: float,
+                    slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused chain every `qk_rope_store` equals: `ops.qk_rope`, then the store."""
+    q, k, v = ops.qk_rope(qkv, rope, heads, q_norm, k_norm, eps)
+    slots.k_buffer.index_copy_(0, slots.loc, k.to(slots.k_buffer.dtype))
+    slots.v_buffer.index_copy_(0, slots.loc, v.to(slots.v_buffer.dtype))
+    return q, k, v
+
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: the statistics in fp32, the normalised x rounded to x's dtype, then
@@ -93,6 +115,7 @@ class TorchLayerOps:
     """The reference: HF's own ops, so fp32 logits match it to ~1e-5 on any device."""
 
     name = "torch"
+    fuses_kv_store = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_rms_norm(x, weight, eps)
@@ -120,11 +143,17 @@ class TorchLayerOps:
         assert sin is not None
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
+    def qk_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float,
+                      slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rope_then_store(self, qkv, rope, heads, q_norm, k_norm, eps, slots)
+
 
 class CpuKernelOps:
     """The fused CPU ops (csrc/layer_ops_cpu.cpp): bit-identical to TorchLayerOps in bf16."""
 
     name = "cpu-kernels"
+    fuses_kv_store = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_kernels.rms_norm(x, weight, eps)
@@ -146,6 +175,11 @@ class CpuKernelOps:
         cpu_kernels.rope_qk(qkv, rope.positions, rope.cos, rope.sin, q_norm, k_norm, heads.q, heads.kv,
                             heads.dim, eps)
         return heads.split(qkv)
+
+    def qk_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float,
+                      slots: KVSlots) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rope_then_store(self, qkv, rope, heads, q_norm, k_norm, eps, slots)
 
 
 TORCH = TorchLayerOps()

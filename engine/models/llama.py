@@ -7,6 +7,7 @@ module runs prefill, decode and mixed batches.
 
     hidden (T, H) --qkv_proj--> q (T, Hq, D) | k (T, Hkv, D) | v (T, Hkv, D)
                   [qk-norm] -> RoPE -> backend.forward -> o_proj
+                               (RoPE + the K/V store in one kernel where the ops and backend fuse them)
 
 The norms, SiLU*mul and qk-norm + RoPE go through the model's layer ops (layer_ops.py):
 HF's torch chain, or the fused kernels of the device.
@@ -62,8 +63,14 @@ class Attention(nn.Module):
         # they go through the matmuls but never reach RoPE, attention or the KV pool.
         n = batch.num_tokens
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
-        q, k, v = self.ops.qk_rope(qkv[:n], rope, self.heads, qn, kn, cfg.rms_norm_eps)
-        o = backend.forward(q, k, v, self.layer_id, batch)
+        # Layer ops that fuse RoPE with the K/V store write k and v into the slots the backend
+        # offers (one launch instead of two); otherwise the backend stores them.
+        slots = backend.kv_slots(self.layer_id, batch) if self.ops.fuses_kv_store else None
+        if slots is None:
+            q, k, v = self.ops.qk_rope(qkv[:n], rope, self.heads, qn, kn, cfg.rms_norm_eps)
+        else:
+            q, k, v = self.ops.qk_rope_store(qkv[:n], rope, self.heads, qn, kn, cfg.rms_norm_eps, slots)
+        o = backend.forward(q, k, v, self.layer_id, batch, kv_stored=slots is not None)
         if qkv.shape[0] != n:
             o = F.pad(o, (0, 0, 0, qkv.shape[0] - n))
         return self.tp.all_reduce(self.o_proj(o))

@@ -67,7 +67,10 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> to
 @pytest.mark.parametrize("name,device", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_contract(name: str, device: str, page_size: int, case: str, monkeypatch) -> None:
+@pytest.mark.parametrize("kv_stored", [False, True], ids=["backend-stores", "caller-stored"])
+def test_attention_contract(name: str, device: str, page_size: int, case: str, kv_stored: bool, monkeypatch) -> None:
+    """kv_stored: the k/v are in the pool already (a layer op that fuses RoPE with the store wrote
+    them): the backend reads them and must not store again."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dtype = torch.float32 if device == "cpu" and name != "flashinfer-fake" else torch.bfloat16
@@ -114,7 +117,10 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, m
         # No cached prefix anywhere in the batch: the ragged kernel, over the forward's own k/v.
         ragged = mode == ForwardMode.EXTEND and all(p == 0 for p, _ in reqs)
         assert {p.kind for p in fake_flashinfer.PLANS} == {"ragged" if ragged else mode_kind(mode)}
-    out = backend.forward(q, k_new, v_new, 0, batch)
+    if kv_stored:
+        ctx.kv_pool.set_kv(0, batch.out_cache_loc, k_new, v_new)
+        monkeypatch.setattr(ctx.kv_pool, "set_kv", lambda *a: pytest.fail("stored twice"))
+    out = backend.forward(q, k_new, v_new, 0, batch, kv_stored=kv_stored)
     assert out.shape == (n_tok, HEADS * DIM) and out.dtype == dtype
 
     start = 0

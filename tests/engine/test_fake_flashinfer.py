@@ -98,6 +98,22 @@ def test_run_refuses_heads_head_dim_or_page_size_other_than_planned(fi: ModuleTy
 
 
 @pytest.mark.parametrize("make", KINDS)
+def test_run_reads_q_through_its_strides(fi: ModuleType, make: Callable) -> None:
+    """q as the model hands it over, a view of wider qkv rows, gives what its copy gives; the
+    prefill wrappers (FA3's TMA loads on Hopper) refuse strides that are not 16-byte multiples."""
+    w, q = make(fi, _tables())
+    kv = _kv()
+    view = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * KV_HEADS * DIM).to(BF16)], 1)[:, : HEADS * DIM]
+    assert not view.is_contiguous() and torch.equal(w.run(view.view(q.shape), kv), w.run(q, kv))
+    odd = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 4, dtype=BF16)], 1)[:, : HEADS * DIM].view(q.shape)
+    if make is _prefill:
+        with pytest.raises(ValueError, match="TMA"):
+            w.run(odd, kv)
+    else:
+        assert torch.equal(w.run(odd, kv), w.run(q, kv))
+
+
+@pytest.mark.parametrize("make", KINDS)
 @pytest.mark.parametrize("table", ["indptr", "indices", "last"])
 def test_plan_refuses_index_tables_that_are_not_int32(fi: ModuleType, make: Callable, table: str) -> None:
     t = _tables()

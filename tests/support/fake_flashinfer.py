@@ -5,9 +5,14 @@ activation kernels) on CPU, so the FlashInfer backend's own logic
 It keeps FlashInfer 0.7's contract, from its source, and is no more permissive than it:
 - the constructor and `plan` signatures; fixed buffers under `use_cuda_graph` (plan copies into
   them, run reads only them); the head dims and dtypes its kernels exist for; int32 index tables.
+- decode's split-KV arguments: `fixed_split_size` only with tensor cores, as FlashInfer checks;
+  `disable_split_kv` may not change between plans of one tensor-core graph wrapper (FlashInfer
+  would replay the captured form over the other plan).
 - `run` refuses what FlashInfer refuses: q or KV dtypes other than the planned `q_data_type` and
   `kv_data_type`, q rows other than `qo_indptr[-1]` (prefill) or the batch size (decode), and
-  heads, head_dim or page size other than the planned ones.
+  heads, head_dim or page size other than the planned ones. Every kernel reads q, k and v through
+  their row and head strides (a contiguous last dim); the prefill wrappers, which Hopper runs on
+  FA3's TMA loads, also need 16-byte aligned addresses and strides.
 - outside CUDA-graph mode the index tensors are the caller's, by reference, as FlashInfer keeps
   device tensors: a caller that overwrites them between plan and run changes what run reads.
 - plan's copies to the device are asynchronous (fake_flashinfer_copies.py): host inputs changed
@@ -38,6 +43,7 @@ class Plan:
     kind: str
     host_indptr: bool  # indptr and last_page_len handed over on the host (no sync to read them)
     batch: int
+    split_kv_off: bool = False  # decode's disable_split_kv
 
 
 def _check(num_qo: int, num_kv: int, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -68,6 +74,8 @@ def _attend(q: torch.Tensor, k_paged: torch.Tensor, v_paged: torch.Tensor, pages
 class _Paged:
     """What both wrappers share: the planned problem that run checks its inputs against, and the
     pinned buffer through which each plan reaches the device."""
+
+    _tma = False  # the prefill wrappers: FA3 on Hopper reads q, k, v through TMA descriptors
 
     def __init__(self) -> None:
         self._pinned = copies.PinnedPlan()
@@ -102,6 +110,11 @@ class _Paged:
                              f"{kv_heads} KV heads of dim {dim} (NHD), page_size {self._page_size} (0: ragged).")
         if any(t.stride(-1) != 1 for t in (q, k, v)):
             raise ValueError("q, k and v must be contiguous in their last dim")
+        if self._tma and any(t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1])
+                             for t in (q, k, v)):
+            # Hopper runs the prefill wrappers on FA3, which loads q (and ragged k/v) by TMA from
+            # their strides (csrc/batch_prefill_sm90.cu): a descriptor needs 16-byte strides.
+            raise ValueError("q, k and v need 16-byte aligned addresses and strides (FA3's TMA)")
         self._copy.check("between plan() and run()")
         self._copy.ran = True
         return self._copy
@@ -129,6 +142,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         assert kv_layout == "NHD"
         self.workspace = workspace
         self.graph = use_cuda_graph
+        self.tensor_cores = use_tensor_cores
+        self._frozen_split: bool | None = None
         if use_cuda_graph:
             assert paged_kv_indptr_buffer is not None and paged_kv_indices_buffer is not None
             assert paged_kv_last_page_len_buffer is not None
@@ -141,11 +156,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE",
              q_data_type: torch.dtype = torch.float16, kv_data_type: torch.dtype | None = None,
-             sm_scale: float | None = None) -> None:
+             sm_scale: float | None = None, fixed_split_size: int | None = None,
+             disable_split_kv: bool = False) -> None:
         if len(indptr) != len(last_page_len) + 1:
             raise ValueError(f"indptr holds {len(indptr)} entries for a batch of {len(last_page_len)}")
+        if fixed_split_size is not None and not self.tensor_cores:
+            raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         self._plan_decode("decode", indptr, indices, last_page_len, (num_qo_heads, num_kv_heads, head_dim),
-                          page_size, q_data_type, kv_data_type, sm_scale)
+                          page_size, q_data_type, kv_data_type, sm_scale, disable_split_kv)
         if self.graph:  # stream-ordered copies into the fixed buffers the graph reads
             self.indptr.copy_(indptr)
             self.last.copy_(last_page_len)
@@ -155,7 +173,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
 
     def _plan_decode(self, kind: str, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
                      heads: tuple[int, int, int], page_size: int, q_dtype: torch.dtype,
-                     kv_dtype: torch.dtype | None, sm_scale: float | None) -> None:
+                     kv_dtype: torch.dtype | None, sm_scale: float | None, disable_split_kv: bool) -> None:
         """What a full plan and the fast re-plan share: the fixed batch and buffer checks, the plan."""
         batch = len(last_page_len)
         if self.graph:
@@ -163,9 +181,15 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
                 raise ValueError("The batch size should be fixed in cudagraph mode")
             if len(indices) > len(self.indices):
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            # Stricter than FlashInfer, whose tensor-core graph would replay the kernels captured
+            # (split and merge, or one pass) over a plan of the other form without a word.
+            if self.tensor_cores and self._frozen_split not in (None, disable_split_kv):
+                raise ValueError("disable_split_kv changed between plans of one cudagraph wrapper")
+            self._frozen_split = disable_split_kv
         self._plan({"indptr": indptr, "last_page_len": last_page_len}, indices, heads, page_size, q_dtype,
                    kv_dtype, sm_scale)
-        PLANS.append(Plan(kind, indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch))
+        PLANS.append(Plan(kind, indptr.device.type == "cpu" and last_page_len.device.type == "cpu", batch,
+                          disable_split_kv))
         self.batch = batch
 
     def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -196,12 +220,14 @@ def fast_decode_plan(self: BatchDecodeWithPagedKVCacheWrapper, indptr: torch.Ten
     if getattr(self, "_copy", None) is None:
         raise AttributeError("'BatchDecodeWithPagedKVCacheWrapper' object has no attribute '_cached_module'")
     self._plan_decode("fast-decode", indptr, indices, last_page_len, (num_qo_heads, num_kv_heads, head_dim),
-                      page_size, q_data_type or torch.float16, kv_data_type, sm_scale)
+                      page_size, q_data_type or torch.float16, kv_data_type, sm_scale, disable_split_kv)
     if not self.graph:
         self.indices = indices
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Paged):
+    _tma = True
+
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
         super().__init__()
         assert kv_layout == "NHD"
@@ -234,6 +260,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Paged):
     """Causal prefill over the caller's own k/v, (tokens, kv_heads, dim) each, no page table.
     run() refuses q or k rows other than qo_indptr[-1] / kv_indptr[-1]; k and v may be strided
     (the kernels take row and head strides), with a contiguous last dim."""
+
+    _tma = True
 
     def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
         super().__init__()
