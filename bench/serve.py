@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import signal
@@ -31,9 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -54,6 +58,7 @@ class Streamed:
     ttft: float
     tokens: int
     chunk_times: list[float]
+    events: int = 0  # SSE data events, [DONE] aside (text chunks, the usage chunk, ...)
 
     def itl_mean(self) -> float:
         if len(self.chunk_times) < 2 or self.tokens < 2:
@@ -67,21 +72,83 @@ class Streamed:
         return statistics.median(gaps) * (len(gaps) / (self.tokens - 1))
 
 
-async def _one(client: httpx.AsyncClient, model: str, r: Request) -> Streamed:
-    body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.max_new_tokens, "temperature": 0.0,
+CLIENTS = ("threads", "httpx")
+# Above this share of the machine's cores, the client is a bottleneck of its own: a server that
+# sends more SSE events (one per token, where another coalesces tokens under load) pays for
+# the client's parsing in its TTFT and throughput. The threads client stays well below it.
+CLIENT_CPU_WARN = 0.25
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _body(model: str, r: Request) -> dict:
+    return {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.max_new_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0, times, tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
+
+
+class _Reader:
+    """One SSE stream's events. TTFT is the time from send (connect included) to the first
+    event whose choice carries non-empty text; `events` counts every data event but [DONE]."""
+
+    def __init__(self) -> None:
+        self.t0, self.times, self.tokens, self.events = time.perf_counter(), [], 0, 0
+
+    def line(self, raw: str | bytes) -> None:
+        line = (raw.decode() if isinstance(raw, bytes) else raw).rstrip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        self.events += 1
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            self.times.append(time.perf_counter() - self.t0)
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+
+    def done(self) -> Streamed:
+        return Streamed(self.times[0] if self.times else float("nan"), self.tokens, self.times, self.events)
+
+
+async def _one(client: httpx.AsyncClient, model: str, r: Request) -> Streamed:
+    reader = _Reader()
+    async with client.stream("POST", "/v1/completions", json=_body(model, r)) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter() - t0)
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return Streamed(times[0] if times else float("nan"), tokens, times)
+            reader.line(line)
+    return reader.done()
+
+
+def _one_threaded(url: str, model: str, r: Request) -> Streamed:
+    """The stdlib client: its own connection, blocking reads on this thread."""
+    parts = urlsplit(url)
+    reader = _Reader()
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1200)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(_body(model, r)),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, (resp.status, resp.read()[:500])
+        while line := resp.readline():
+            reader.line(line)
+    finally:
+        conn.close()
+    return reader.done()
+
+
+def _pgroup_cpu(pgid: int | None) -> dict[int, float]:
+    """CPU seconds (user + system, all threads) of every live process in a process group."""
+    if pgid is None:
+        return {}
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = stat[stat.rindex(")") + 2:].split()
+        if int(f[2]) == pgid:  # f[0] is state, f[2] pgrp, f[11] utime, f[12] stime
+            out[int(d)] = (int(f[11]) + int(f[12])) / CLK_TCK
+    return out
 
 
 def _summary(rows: list[Streamed], seconds: float) -> dict:
@@ -94,13 +161,20 @@ def _summary(rows: list[Streamed], seconds: float) -> dict:
             "itl_mean": statistics.fmean(s.itl_mean() for s in rows),
             "itl_p50": statistics.median(s.itl_median() for s in rows),
             "tokens_per_chunk": sum(s.tokens - 1 for s in rows if len(s.chunk_times) > 1) / max(gaps, 1),
+            "sse_events": sum(s.events for s in rows),
             "loadavg_1m": os.getloadavg()[0]}
 
 
-def run_http(url: str, model: str, requests: list[Request], concurrency: int | None = None) -> dict:
-    async def main() -> tuple[list[Streamed], float]:
+def run_http(url: str, model: str, requests: list[Request], concurrency: int | None = None,
+             client: str = "threads", server_pgid: int | None = None) -> dict:
+    """One timed batch through `client` (CLIENTS), after one unmeasured warm-up request. Beside
+    the serving figures it records this client's own CPU (process time, every thread) and, given
+    `server_pgid`, the server's (its whole process group, from /proc) over the timed batch."""
+    width = concurrency or len(requests)
+
+    async def main_httpx() -> tuple[list[Streamed], float, float]:
         limits = httpx.Limits(max_connections=len(requests))
-        gate = asyncio.Semaphore(concurrency or len(requests))
+        gate = asyncio.Semaphore(width)
 
         async def gated(client: httpx.AsyncClient, r: Request) -> Streamed:
             async with gate:
@@ -108,12 +182,35 @@ def run_http(url: str, model: str, requests: list[Request], concurrency: int | N
 
         async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
             await _one(client, model, Request([11, 12, 13], 4))  # warm-up (connections, first-call costs)
-            t0 = time.perf_counter()
+            cpu0, t0 = time.process_time(), time.perf_counter()
             rows = await asyncio.gather(*(gated(client, r) for r in requests))
-            return rows, time.perf_counter() - t0
+            return rows, time.perf_counter() - t0, time.process_time() - cpu0
 
-    rows, seconds = asyncio.run(main())
+    def main_threads() -> tuple[list[Streamed], float, float]:
+        _one_threaded(url, model, Request([11, 12, 13], 4))  # warm-up
+        with ThreadPoolExecutor(max_workers=width, thread_name_prefix="serve-client") as pool:
+            go = threading.Barrier(width + 1)  # all `width` threads exist before the clock starts
+            started = [pool.submit(go.wait) for _ in range(width)]
+            go.wait()
+            for f in started:
+                f.result()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            rows = list(pool.map(lambda r: _one_threaded(url, model, r), requests))
+            return rows, time.perf_counter() - t0, time.process_time() - cpu0
+
+    assert client in CLIENTS, client
+    server0 = _pgroup_cpu(server_pgid)
+    rows, seconds, client_cpu = asyncio.run(main_httpx()) if client == "httpx" else main_threads()
+    server1 = _pgroup_cpu(server_pgid)
     result = _summary(rows, seconds)
+    cores = os.cpu_count() or 1
+    result |= {"client": client, "client_cpu_s": client_cpu, "client_cpu_share": client_cpu / seconds / cores,
+               "client_cpu_us_per_event": 1e6 * client_cpu / max(result["sse_events"], 1)}
+    if server_pgid is not None:
+        server_cpu = sum(v - server0.get(pid, 0.0) for pid, v in server1.items())
+        lead = server1.get(server_pgid, 0.0) - server0.get(server_pgid, 0.0)
+        result |= {"server_cpu_s": server_cpu, "server_cpu_share": server_cpu / seconds / cores,
+                   "server_lead_cpu_s": lead}  # the group leader: tandem's front, vLLM's API server
     assert result["output_tokens"] == sum(r.max_new_tokens for r in requests), "ignore_eos must give max_new_tokens"
     return result
 
@@ -196,31 +293,60 @@ def _levels(concurrency: str | None, requests: str) -> list[tuple[int | None, in
 
 def run_level(args: argparse.Namespace, level: int, ours: Worker, peer: VllmOpenAIServer | None, model_dir: str,
               concurrency: int | None, n: int) -> dict:
-    """Warm both sides at this concurrency (unmeasured), then `--rounds` rounds, A then B."""
+    """Warm both sides at this concurrency (unmeasured), then `--rounds` rounds; in each, every
+    client of `--client` runs A then B on the same requests (the idle server frozen unless
+    --no-freeze)."""
+    clients = args.client.split(",")
+    freeze = (lambda proc: Frozen(proc)) if args.freeze else (lambda proc: Frozen(None))
     warm = throughput_workload(n=min(n, 2 * concurrency) if concurrency else n, seed=10_000 + level)
     for server, other in ((ours, peer), (peer, ours)):
         if server is not None:
-            with Frozen(other.proc if other is not None else None):
-                run_http(server.url, args.name, warm, concurrency)
+            with freeze(other.proc if other is not None else None):
+                run_http(server.url, args.name, warm, concurrency, clients[0])
     rows = []
     for i in range(args.rounds):
         # A fresh workload per round and level (same for A and B): no prefix-cache hits across runs.
         requests = throughput_workload(n=n, seed=100 * level + i)
-        with Frozen(peer.proc if peer else None):
-            a = run_http(ours.url, args.name, requests, concurrency)
-        with Frozen(ours.proc):
-            b = (run_http(peer.url, args.name, requests, concurrency) if peer
-                 else run_engine(model_dir, requests, args.dtype))
-        row = {"round": i, "tandem_serve": a, args.mode: b}
-        row |= {f"{k}_ratio": a[k] / b[k] for k in (RATIOS if peer else RATIOS[:1])}
-        row["throughput_ratio"] = row.pop("output_tok_per_s_ratio")
-        rows.append(row)
-        print(json.dumps({"concurrency": concurrency, **{k: round(v, 3) for k, v in row.items() if "ratio" in k},
-                          "tandem_tok_s": round(a["output_tok_per_s"]), "peer_tok_s": round(b["output_tok_per_s"]),
-                          "loadavg_1m": a["loadavg_1m"]}), flush=True)
-    keys = [k for k in rows[0] if k.endswith("_ratio")]
-    return {"concurrency": concurrency, "requests": n, "rounds": rows, "loadavg_1m": os.getloadavg()[0],
-            **{f"median_{k}": statistics.median(r[k] for r in rows) for k in keys}}
+        for client in clients:
+            with freeze(peer.proc if peer else None):
+                a = run_http(ours.url, args.name, requests, concurrency, client, os.getpgid(ours.proc.pid))
+            with freeze(ours.proc):
+                b = (run_http(peer.url, args.name, requests, concurrency, client, os.getpgid(peer.proc.pid))
+                     if peer else run_engine(model_dir, requests, args.dtype))
+            row = {"round": i, "client": client, "tandem_serve": a, args.mode: b}
+            row |= {f"{k}_ratio": a[k] / b[k] for k in (RATIOS if peer else RATIOS[:1])}
+            row["throughput_ratio"] = row.pop("output_tok_per_s_ratio")
+            rows.append(row)
+            print(json.dumps({"concurrency": concurrency, "client": client,
+                              **{k: round(v, 3) for k, v in row.items() if "ratio" in k},
+                              "tandem_tok_s": round(a["output_tok_per_s"]), "peer_tok_s": round(b["output_tok_per_s"]),
+                              **_cpu_line(a, b), "loadavg_1m": round(a["loadavg_1m"], 2)}), flush=True)
+            for side, r in (("tandem serve", a), (args.mode, b)):
+                if r.get("client_cpu_share", 0) > CLIENT_CPU_WARN:
+                    print(f"WARNING: the {client} client used {r['client_cpu_share']:.0%} of the {os.cpu_count()} "
+                          f"cores against {side} (> {CLIENT_CPU_WARN:.0%}): it competes with the server and its "
+                          "figures are suspect", flush=True)
+    by_client = {}
+    for client in clients:
+        mine = [r for r in rows if r["client"] == client]
+        keys = [k for k in mine[0] if k.endswith("_ratio")]
+        by_client[client] = {f"median_{k}": statistics.median(r[k] for r in mine) for k in keys}
+    head = {"concurrency": concurrency, "requests": n, "freeze": args.freeze, "rounds": rows,
+            "loadavg_1m": os.getloadavg()[0]}
+    if len(clients) == 1:  # the flat layout, as before
+        return {**head, "client": clients[0], **by_client[clients[0]]}
+    return {**head, "clients": clients, "by_client": by_client}
+
+
+def _cpu_line(a: dict, b: dict) -> dict:
+    """The per-round CPU figures: client share of the cores, server share, tokens per SSE chunk."""
+    out = {}
+    for tag, r in (("tandem", a), ("peer", b)):
+        if "client_cpu_share" in r:
+            out[f"{tag}_client_cpu"] = round(r["client_cpu_share"], 3)
+            out[f"{tag}_server_cpu"] = round(r.get("server_cpu_share", float("nan")), 3)
+            out[f"{tag}_tok_per_chunk"] = round(r["tokens_per_chunk"], 2)
+    return out
 
 
 def main() -> None:
@@ -233,6 +359,11 @@ def main() -> None:
     p.add_argument("--requests", default="64", help="requests per round; one count, or one per concurrency level")
     p.add_argument("--concurrency", default=None, help="comma-separated in-flight limits, e.g. 1,8,32 (default: all)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra `tandem serve` flag (repeatable)")
+    p.add_argument("--client", default="threads",
+                   help="comma-separated HTTP clients, each run on the same requests every round: threads (stdlib, "
+                        "a thread and a connection per request; the default) and/or httpx (one asyncio loop)")
+    p.add_argument("--no-freeze", dest="freeze", action="store_false",
+                   help="leave the idle server running (default: SIGSTOP it while the other is measured)")
     args = p.parse_args()
     args.name = args.name or Path(args.model).name
     from tandem.engine.modelgen.resolve import resolve_model
@@ -263,9 +394,13 @@ def main() -> None:
     out = ROOT / f"docs/results/serve_{args.mode}_{args.name}{suffix}.json"
     out.write_text(json.dumps(result, indent=1))
     for r in results:
-        print(f"concurrency {r['concurrency'] or 'all'}: median tandem serve / {args.mode}: "
-              + ", ".join(f"{k.removeprefix('median_').removesuffix('_ratio')} {v:.3f}"
-                          for k, v in r.items() if k.startswith("median_")))
+        for client, medians in r.get("by_client", {r.get("client"): r}).items():
+            shares = [x[s]["client_cpu_share"] for x in r["rounds"] if x["client"] == client
+                      for s in ("tandem_serve", args.mode) if "client_cpu_share" in x[s]]
+            cpu = f"; client CPU {max(shares):.0%} of the cores at most" if shares else ""
+            print(f"concurrency {r['concurrency'] or 'all'}, {client} client: median tandem serve / {args.mode}: "
+                  + ", ".join(f"{k.removeprefix('median_').removesuffix('_ratio')} {v:.3f}"
+                              for k, v in medians.items() if k.startswith("median_")) + cpu)
     print(f"-> {out}")
 
 
