@@ -18,6 +18,14 @@ chunks divided by the request's mean tokens per chunk (exact when every chunk ca
 token; `tokens_per_chunk` records how far from that a run was). A and B alternate round by
 round, the idle one frozen; each figure is the median of the per-round ratios. Results go to
 docs/results/serve_<mode>_<name>[_c<C>].json (one level: the flat layout; several: `levels`).
+
+`--client threads,httpx,aiperf` (default threads) runs each client on the same requests in every
+round. TTFT is send (connect included) to the first SSE event whose choice has non-empty text.
+Every run records the client's own CPU (process time, all threads, and its share of the cores;
+a warning above CLIENT_CPU_WARN), the server's (its process group, /proc/<pid>/stat), SSE
+events, tokens per chunk, and the spread of the sends and response headers (the arrival
+pattern, which TTFT at high concurrency depends on). docs/benchmarks.md, "Which client to
+trust", says why the stdlib threads client is the default.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ class Streamed:
     tokens: int
     chunk_times: list[float]
     events: int = 0  # SSE data events, [DONE] aside (text chunks, the usage chunk, ...)
+    start: float = 0.0  # perf_counter at send (connect included)
+    headers: float = float("nan")  # send to the response's headers: the request has reached the server
 
     def itl_mean(self) -> float:
         if len(self.chunk_times) < 2 or self.tokens < 2:
@@ -72,7 +82,8 @@ class Streamed:
         return statistics.median(gaps) * (len(gaps) / (self.tokens - 1))
 
 
-CLIENTS = ("threads", "httpx")
+CLIENTS = ("threads", "httpx", "aiperf")
+AIPERF = os.environ.get("AIPERF", "/tmp/tools/bin/aiperf")  # its own venv: docs/benchmarks.md, guidellm and aiperf
 # Above this share of the machine's cores, the client is a bottleneck of its own: a server that
 # sends more SSE events (one per token, where another coalesces tokens under load) pays for
 # the client's parsing in its TTFT and throughput. The threads client stays well below it.
@@ -91,6 +102,10 @@ class _Reader:
 
     def __init__(self) -> None:
         self.t0, self.times, self.tokens, self.events = time.perf_counter(), [], 0, 0
+        self.headers = float("nan")
+
+    def answered(self) -> None:
+        self.headers = time.perf_counter() - self.t0
 
     def line(self, raw: str | bytes) -> None:
         line = (raw.decode() if isinstance(raw, bytes) else raw).rstrip()
@@ -104,13 +119,15 @@ class _Reader:
             self.tokens = chunk["usage"]["completion_tokens"]
 
     def done(self) -> Streamed:
-        return Streamed(self.times[0] if self.times else float("nan"), self.tokens, self.times, self.events)
+        return Streamed(self.times[0] if self.times else float("nan"), self.tokens, self.times, self.events,
+                        self.t0, self.headers)
 
 
 async def _one(client: httpx.AsyncClient, model: str, r: Request) -> Streamed:
     reader = _Reader()
     async with client.stream("POST", "/v1/completions", json=_body(model, r)) as resp:
         resp.raise_for_status()
+        reader.answered()
         async for line in resp.aiter_lines():
             reader.line(line)
     return reader.done()
@@ -126,6 +143,7 @@ def _one_threaded(url: str, model: str, r: Request) -> Streamed:
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200, (resp.status, resp.read()[:500])
+        reader.answered()
         while line := resp.readline():
             reader.line(line)
     finally:
@@ -162,6 +180,11 @@ def _summary(rows: list[Streamed], seconds: float) -> dict:
             "itl_p50": statistics.median(s.itl_median() for s in rows),
             "tokens_per_chunk": sum(s.tokens - 1 for s in rows if len(s.chunk_times) > 1) / max(gaps, 1),
             "sse_events": sum(s.events for s in rows),
+            # How the batch reached the server: the spread of the sends, and of their answers' headers
+            # (what a server that starts on the first arrivals sees as a staggered batch).
+            "send_spread_s": max(s.start for s in rows) - min(s.start for s in rows),
+            "headers_p50": statistics.median(s.headers for s in rows),
+            "headers_max": max(s.start + s.headers for s in rows) - min(s.start for s in rows),
             "loadavg_1m": os.getloadavg()[0]}
 
 
@@ -199,6 +222,8 @@ def run_http(url: str, model: str, requests: list[Request], concurrency: int | N
             return rows, time.perf_counter() - t0, time.process_time() - cpu0
 
     assert client in CLIENTS, client
+    if client == "aiperf":
+        return run_aiperf(url, model, requests, width, server_pgid)
     server0 = _pgroup_cpu(server_pgid)
     rows, seconds, client_cpu = asyncio.run(main_httpx()) if client == "httpx" else main_threads()
     server1 = _pgroup_cpu(server_pgid)
@@ -213,6 +238,52 @@ def run_http(url: str, model: str, requests: list[Request], concurrency: int | N
                    "server_lead_cpu_s": lead}  # the group leader: tandem's front, vLLM's API server
     assert result["output_tokens"] == sum(r.max_new_tokens for r in requests), "ignore_eos must give max_new_tokens"
     return result
+
+
+def run_aiperf(url: str, model: str, requests: list[Request], concurrency: int, server_pgid: int | None) -> dict:
+    """The cross-check: NVIDIA's aiperf (its own process tree, its own timing) against /v1/completions,
+    on synthetic text of the workload's mean prompt and output lengths (its prompts are text, not
+    our ids), as many requests at the same concurrency, after one warm-up request. The client's CPU
+    is aiperf's whole process tree, start-up included, over its whole wall time."""
+    import resource
+    import shutil
+
+    isl = round(statistics.fmean(len(r.prompt_token_ids) for r in requests))
+    osl = round(statistics.fmean(r.max_new_tokens for r in requests))
+    out = Path(tempfile.mkdtemp(prefix="serve-aiperf-"))
+    model_dir = os.environ.get("AIPERF_TOKENIZER") or _model_dir
+    argv = [AIPERF, "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+            "--tokenizer", model_dir, "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--use-server-token-count", "--request-count", str(len(requests)),
+            "--concurrency", str(concurrency), "--warmup-request-count", "1", "--random-seed", str(len(requests)),
+            "--ui", "none", "--no-gpu-telemetry", "--artifact-dir", str(out)]
+    # aiperf reads a local tokenizer directory only online-mode; not from the repo root (operator/).
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    server0, kids0, t0 = _pgroup_cpu(server_pgid), resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    done = subprocess.run(argv, cwd=out, env={**env, "HF_HUB_DISABLE_TELEMETRY": "1"}, capture_output=True,
+                          text=True, timeout=1800)
+    wall, kids1, server1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN), _pgroup_cpu(
+        server_pgid)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    j = json.loads((out / "profile_export_aiperf.json").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    ms = 1e-3
+    cores = os.cpu_count() or 1
+    client_cpu = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    server_cpu = sum(v - server0.get(pid, 0.0) for pid, v in server1.items())
+    return {"client": "aiperf", "seconds": j["benchmark_duration"]["avg"],
+            "output_tok_per_s": j["output_token_throughput"]["avg"],
+            "output_tokens": j["output_sequence_length"]["avg"] * j["request_count"]["avg"],
+            "requests_ok": j["request_count"]["avg"], "isl": isl, "osl": osl,
+            "ttft_p50": j["time_to_first_token"]["p50"] * ms, "ttft_p90": j["time_to_first_token"]["p90"] * ms,
+            "ttft_mean": j["time_to_first_token"]["avg"] * ms,
+            "itl_mean": j["inter_token_latency"]["avg"] * ms, "itl_p50": j["inter_token_latency"]["p50"] * ms,
+            "client_cpu_s": client_cpu, "client_wall_s": wall, "client_cpu_share": client_cpu / wall / cores,
+            "server_cpu_s": server_cpu, "server_cpu_share": server_cpu / wall / cores,
+            "tokens_per_chunk": float("nan"), "loadavg_1m": os.getloadavg()[0]}
+
+
+_model_dir = ""  # the tokenizer aiperf loads: the served model's directory (main sets it)
 
 
 def run_engine(model_dir: str, requests: list[Request], dtype: str) -> dict:
@@ -299,6 +370,7 @@ def run_level(args: argparse.Namespace, level: int, ours: Worker, peer: VllmOpen
     clients = args.client.split(",")
     freeze = (lambda proc: Frozen(proc)) if args.freeze else (lambda proc: Frozen(None))
     warm = throughput_workload(n=min(n, 2 * concurrency) if concurrency else n, seed=10_000 + level)
+    idle = _idle_cpu([s for s in (ours, peer) if s is not None]) if level == 0 else None
     for server, other in ((ours, peer), (peer, ours)):
         if server is not None:
             with freeze(other.proc if other is not None else None):
@@ -331,11 +403,24 @@ def run_level(args: argparse.Namespace, level: int, ours: Worker, peer: VllmOpen
         mine = [r for r in rows if r["client"] == client]
         keys = [k for k in mine[0] if k.endswith("_ratio")]
         by_client[client] = {f"median_{k}": statistics.median(r[k] for r in mine) for k in keys}
-    head = {"concurrency": concurrency, "requests": n, "freeze": args.freeze, "rounds": rows,
+    head = {"concurrency": concurrency, "requests": n, "freeze": args.freeze, "idle_cpu_share": idle, "rounds": rows,
             "loadavg_1m": os.getloadavg()[0]}
     if len(clients) == 1:  # the flat layout, as before
         return {**head, "client": clients[0], **by_client[clients[0]]}
     return {**head, "clients": clients, "by_client": by_client}
+
+
+def _idle_cpu(servers: list, seconds: float = 5.0) -> dict[str, float]:
+    """Each server's CPU share of the cores while both sit idle and running (not frozen): what an
+    idle server would take from the measured one without the freeze."""
+    pgids = {type(s).__name__: os.getpgid(s.proc.pid) for s in servers}
+    before = {k: _pgroup_cpu(g) for k, g in pgids.items()}
+    time.sleep(seconds)
+    after = {k: _pgroup_cpu(g) for k, g in pgids.items()}
+    cores = os.cpu_count() or 1
+    out = {k: sum(v - before[k].get(pid, 0.0) for pid, v in after[k].items()) / seconds / cores for k in pgids}
+    print(json.dumps({"idle_cpu_share": out}), flush=True)
+    return out
 
 
 def _cpu_line(a: dict, b: dict) -> dict:
@@ -361,7 +446,8 @@ def main() -> None:
     p.add_argument("--tandem-arg", action="append", default=[], help="extra `tandem serve` flag (repeatable)")
     p.add_argument("--client", default="threads",
                    help="comma-separated HTTP clients, each run on the same requests every round: threads (stdlib, "
-                        "a thread and a connection per request; the default) and/or httpx (one asyncio loop)")
+                        "a thread and a connection per request; the default), httpx (one asyncio loop), aiperf "
+                        "(the cross-check, $AIPERF, on text of the workload's mean lengths)")
     p.add_argument("--no-freeze", dest="freeze", action="store_false",
                    help="leave the idle server running (default: SIGSTOP it while the other is measured)")
     args = p.parse_args()
@@ -369,6 +455,8 @@ def main() -> None:
     from tandem.engine.modelgen.resolve import resolve_model
 
     model_dir = str(resolve_model(args.model))
+    global _model_dir
+    _model_dir = model_dir
     levels = _levels(args.concurrency, args.requests)
     ours = Worker(["serve", "--model", model_dir, "--served-model-name", args.name, "--dtype", args.dtype,
                    *args.tandem_arg])
