@@ -205,12 +205,14 @@ def run_http(url: str, model: str, requests: list[Request], concurrency: int | N
 
         async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as client:
             await _one(client, model, Request([11, 12, 13], 4))  # warm-up (connections, first-call costs)
+            server0.update(_pgroup_cpu(server_pgid))
             cpu0, t0 = time.process_time(), time.perf_counter()
             rows = await asyncio.gather(*(gated(client, r) for r in requests))
             return rows, time.perf_counter() - t0, time.process_time() - cpu0
 
     def main_threads() -> tuple[list[Streamed], float, float]:
         _one_threaded(url, model, Request([11, 12, 13], 4))  # warm-up
+        server0.update(_pgroup_cpu(server_pgid))
         with ThreadPoolExecutor(max_workers=width, thread_name_prefix="serve-client") as pool:
             go = threading.Barrier(width + 1)  # all `width` threads exist before the clock starts
             started = [pool.submit(go.wait) for _ in range(width)]
@@ -224,7 +226,7 @@ def run_http(url: str, model: str, requests: list[Request], concurrency: int | N
     assert client in CLIENTS, client
     if client == "aiperf":
         return run_aiperf(url, model, requests, width, server_pgid)
-    server0 = _pgroup_cpu(server_pgid)
+    server0: dict[int, float] = {}  # read after the warm-up request
     rows, seconds, client_cpu = asyncio.run(main_httpx()) if client == "httpx" else main_threads()
     server1 = _pgroup_cpu(server_pgid)
     result = _summary(rows, seconds)
