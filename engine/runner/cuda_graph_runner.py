@@ -98,7 +98,11 @@ class CudaGraphRunner:
                 backend.use_graph_state(None)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
+        return batch.mode == ForwardMode.DECODE and self.fits(batch.batch_size)
+
+    def fits(self, rows: int) -> bool:
+        """A decode step of `rows` rows has a bucket."""
+        return rows <= self.max_bs
 
     def decode(self, input_ids: np.ndarray, positions: np.ndarray, locs: np.ndarray, rows: np.ndarray,
                future_slots: range | None) -> tuple[torch.Tensor, torch.Tensor]:

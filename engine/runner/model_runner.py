@@ -168,7 +168,7 @@ class ModelRunner:
         tokens' cells were written by the scheduler on both; a MIXED batch's decodes are its tail."""
         pool = self.req_to_token_pool
         n = batch.batch_size - batch.num_extend_reqs
-        if not pool.mirrored or n == 0 or batch.mode == ForwardMode.EXTEND:
+        if not pool.mirrored or n == 0:  # an EXTEND batch has no decode rows
             return
         rows, pos, locs = batch.req_pool_indices, batch.positions, batch.out_cache_loc
         if n != batch.batch_size:

@@ -64,7 +64,7 @@ class ModelWorker:
     ) -> GenerationBatchResult:
         start = time.perf_counter()
         graphs = self.runner.graph_runner
-        if mwb.mode == ForwardMode.DECODE and graphs is not None and len(mwb.req_pool_indices) <= graphs.max_bs:
+        if mwb.mode == ForwardMode.DECODE and graphs is not None and graphs.fits(len(mwb.req_pool_indices)):
             out = self._graph_decode(mwb, graphs, future_map, future_slots)
         else:
             out = self._forward(mwb, future_map, future_slots)
