@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 from tandem.protocol import limits as L
 from tandem.protocol.body import Body
 from tandem.protocol.openai_api import MaxTokens, SamplingFields
-from tandem.protocol.response_format import ResponseFormat
+from tandem.protocol.response_format import JsonSchemaFormat, ResponseFormat
+from tandem.protocol.schema_check import Schemas, schema_text
 from tandem.protocol.tools import MessageToolCall, Tool, ToolChoice, check_tools, tool_constraint
 
 
@@ -89,6 +90,14 @@ class ChatCompletionRequest(SamplingFields):
         if forced is not None:
             found["tool_choice"] = ("json_schema", forced)
         return found
+
+    def schema_fields(self) -> Schemas:
+        found = [(f"tools[{i}].function.parameters", t.function.parameters, schema_text(t.function.parameters))
+                 for i, t in enumerate(self.tools or []) if t.function.parameters is not None]
+        if isinstance(self.response_format, JsonSchemaFormat):
+            schema = self.response_format.json_schema.schema_
+            found.append(("response_format.json_schema.schema", schema, schema_text(schema)))
+        return found + super().schema_fields()
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -33,3 +33,18 @@ MAX_ID_CHARS = 256  # request ids (`rid`), user names
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_TOOLS = 128  # tool definitions per request
 MAX_TOOL_CALLS = 128  # calls in one assistant message of a conversation
+# One request's JSON Schemas (every tool's parameters, response_format, json_schema), counted
+# together before any is checked against its metaschema (protocol/schema_budget.py). Within
+# them the check is bounded: ~25 us of CPU per JSON value, on a worker thread, so a request at
+# the bounds costs at most ~0.1 s of one core, once (a schema text that passed is remembered);
+# 128 realistic tools cost ~55 ms. The forced tool choice is built from all tools' schemas, so
+# their text fits one constraint's.
+MAX_SCHEMA_CHARS = MAX_CONSTRAINT_CHARS
+MAX_SCHEMA_NODES = 4096  # JSON values: 128 tools of ~30 (a few typed, described parameters each)
+MAX_SCHEMA_DEPTH = 32  # nesting inside one schema; generated schemas rarely pass 10
+MAX_SCHEMA_ITEMS = 1024  # entries of one list or object (enum, anyOf, properties, ...)
+# Pairs of items compared for uniqueItems where jsonschema cannot sort (mixed types, objects):
+# a draft-04 enum of ~180 mixed values, ~20 ms.
+MAX_SCHEMA_COMPARISONS = 32768
+MAX_SCHEMA_PATTERN_CHARS = 16384  # regexes (pattern, patternProperties) the check compiles
+SCHEMA_CACHE_ENTRIES = 4096  # digests of schema texts a worker has already passed

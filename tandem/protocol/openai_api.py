@@ -18,7 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from tandem.protocol import limits as L
 from tandem.protocol.body import Body
 from tandem.protocol.bootstrap import Bootstrap
-from tandem.protocol.schema_check import CONSTRAINT_KINDS, check_schema_string
+from tandem.protocol.schema_budget import charge_all
+from tandem.protocol.schema_check import CONSTRAINT_KINDS, Schemas, parse_schema_string
 
 # Prompt ids are checked against the vocabulary by the front, with a clearer message than a
 # bound here would give inside the prompt's union of shapes.
@@ -59,7 +60,18 @@ Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=L.MAX_STOP_TOKEN_IDS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 Constraint = Annotated[str, Field(min_length=1, max_length=L.MAX_CONSTRAINT_CHARS)]
-SchemaString = Annotated[Constraint, AfterValidator(lambda v: check_schema_string(v, "json_schema"))]
+
+def _json_schema(text: str) -> str:
+    parse_schema_string(text, "json_schema")
+    return text
+
+
+SchemaString = Annotated[Constraint, AfterValidator(_json_schema)]
+
+
+def _string_schemas(text: str | None, what: str) -> Schemas:
+    """SGLang's json_schema, for schema_check: the engine compiles the text as it came."""
+    return [] if text is None else [(what, parse_schema_string(text, what), text)]
 
 
 class StreamOptions(Body):
@@ -95,6 +107,7 @@ class SamplingFields(Bootstrap):
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
+        charge_all(self.schemas)  # first: what follows reads the schemas (a forced tool choice joins them)
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported; send 0")
         if self.logit_bias:
@@ -116,6 +129,14 @@ class SamplingFields(Bootstrap):
 
     def constraint_fields(self) -> dict[str, tuple[str, str]]:
         return {k: (k, getattr(self, k)) for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None}
+
+    @cached_property
+    def schemas(self) -> Schemas:
+        """Every JSON Schema of the body, for schema_check (each parsed once)."""
+        return self.schema_fields()
+
+    def schema_fields(self) -> Schemas:
+        return _string_schemas(self.json_schema, "json_schema")
 
     def sampling(self, max_new_tokens: int, index: int, top_logprobs: int | None) -> dict[str, Any]:
         """Engine SamplingParams kwargs for choice `index` (each choice of n gets its own seed)."""
@@ -182,6 +203,7 @@ class GenerateSampling(BaseModel):
 
     @model_validator(mode="after")
     def _at_most_one_constraint(self) -> GenerateSampling:
+        charge_all(self.schemas)
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of {', '.join(CONSTRAINT_KINDS)} may be set, got {', '.join(given)}")
@@ -190,6 +212,10 @@ class GenerateSampling(BaseModel):
     @property
     def constraint(self) -> str | None:
         return next((k for k in CONSTRAINT_KINDS if getattr(self, k) is not None), None)
+
+    @cached_property
+    def schemas(self) -> Schemas:
+        return _string_schemas(self.json_schema, "sampling_params.json_schema")
 
     def engine_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)
@@ -217,6 +243,10 @@ class GenerateRequest(Bootstrap):
             raise ValueError("streaming is for one prompt at a time")
         _check_prompts(self.prompts())
         return self
+
+    @property
+    def schemas(self) -> Schemas:
+        return self.sampling_params.schemas
 
     @property
     def is_batch(self) -> bool:

@@ -1,20 +1,19 @@
 """OpenAI's `response_format` on chat completions, and the constraint each type becomes.
 
 `text` is no constraint; `json_object` is any JSON object (the schema {"type": "object"}, as
-SGLang maps it); `json_schema` is the client's schema, checked as a schema when the body is
-validated, so a schema that is not one is a 400 naming the problem rather than a grammar
-the engine fails on.
+SGLang maps it); `json_schema` is the client's schema, checked as a schema (schema_check.py),
+so a schema that is not one is a 400 naming the problem rather than a grammar the engine fails on.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from tandem.protocol import limits as L
 from tandem.protocol.body import Body, Name
-from tandem.protocol.schema_check import check_schema, schema_text
+from tandem.protocol.schema_check import schema_text
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
@@ -39,12 +38,6 @@ class JsonSchemaSpec(Body):
     # "schema" is a BaseModel method's name: the field lives under an alias.
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _is_a_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
-        check_schema(v, "response_format.json_schema.schema")
-        return v
 
 
 class JsonSchemaFormat(Body):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from tandem.protocol import limits as L
 from tandem.protocol.body import Body, Name
-from tandem.protocol.schema_check import check_schema, schema_text
+from tandem.protocol.schema_check import schema_text
 
 ANY_OBJECT: dict[str, Any] = {"type": "object", "properties": {}}
 _DEFS_KEYS = ("$defs", "definitions")
@@ -27,14 +27,7 @@ class FunctionDef(Body):
     name: Name
     description: str | None = Field(default=None, max_length=L.MAX_CONSTRAINT_CHARS)
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _is_a_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            check_schema(v, "a tool's function.parameters")
-        return v
+    strict: bool | None = None  # the parameters are checked as a schema in schema_check.py
 
     @property
     def parameters_schema(self) -> dict[str, Any]:

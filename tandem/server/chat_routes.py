@@ -23,6 +23,7 @@ from tandem.server.assistant_output import AssistantParser, assistant_parser
 from tandem.server.choices import Choice, Delta, await_admission, check_model, collect, merged, open_choices
 from tandem.server.openai_routes import sse, usage
 from tandem.server.runtime import Runtime
+from tandem.server.schema_step import check_schemas
 from tandem.server.tokens import Tokens
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
@@ -45,6 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     rt: Runtime = request.app.state.runtime
     rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
+    await check_schemas(body.schemas)
     ids = await rt.tokens.chat_ids(body.template_messages(), body.template_tools())
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.protocol.openai_api import GenerateRequest
 from tandem.server.choices import Choice, Delta, await_admission, collect, merged, open_choices
 from tandem.server.runtime import Runtime
+from tandem.server.schema_step import check_schemas
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
 
@@ -61,6 +62,7 @@ def _meta(c: Choice, deltas: list[Delta], t0: float, logprob: bool) -> dict[str,
 async def generate(body: GenerateRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
     rt.check_bootstrap(body)
+    await check_schemas(body.schemas)
     t0 = time.monotonic()
     sp = body.sampling_params.engine_kwargs()
     if body.return_logprob or body.top_logprobs_num:

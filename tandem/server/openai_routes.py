@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.protocol.openai_api import CompletionRequest
 from tandem.server.choices import Choice, Delta, await_admission, check_model, collect, merged, open_choices
 from tandem.server.runtime import Runtime
+from tandem.server.schema_step import check_schemas
 from tandem.server.tokens import Tokens
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
@@ -56,6 +57,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     rt: Runtime = request.app.state.runtime
     rt.check_bootstrap(body)
     check_model(body.model, rt.config.served_model_name)
+    await check_schemas(body.schemas)
     jobs, echoes = [], []
     prompts = body.prompts()
     for prompt, ids in zip(prompts, await rt.tokens.encode_many(prompts)):

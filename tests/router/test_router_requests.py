@@ -121,6 +121,31 @@ def test_pd_bodies_carry_only_the_routers_bootstrap_fields(prompt: str) -> None:
     run(test)
 
 
+# ---- JSON Schemas: budgeted here, checked once, by the worker ----------------------------------------
+def _with_schema(schema: object) -> dict:
+    return {**BODIES["/v1/chat/completions"],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+
+
+def test_the_router_budgets_schemas_and_leaves_their_check_to_the_worker() -> None:
+    """The metaschema check is the worker's (on a thread, remembered): the router repeated it on its
+    own event loop. A schema past the budget is refused here; one the worker refuses comes back
+    as its 400 after one try, as often as it is sent, without opening the worker's breaker."""
+    w = FakeWorker(status=400, error="response_format.json_schema.schema is not a valid JSON Schema")
+
+    async def test() -> None:
+        async with fakes(w) as urls, router(colocated(urls)) as (url, _), httpx.AsyncClient() as c:
+            r = await c.post(url + "/v1/chat/completions", json=_with_schema({"anyOf": [{}] * 2000}))
+            assert r.status_code == 400 and "MAX_SCHEMA_ITEMS" in r.json()["error"]["message"]
+            assert not w.posts
+            for _ in range(8):  # past the breaker's threshold of faults
+                r = await c.post(url + "/v1/chat/completions", json=_with_schema({"type": "objekt"}))
+                assert r.status_code == 400 and r.json()["error"]["message"] == w.error
+            assert len(w.posts) == 8
+
+    run(test)
+
+
 # ---- bodies no worker could use ------------------------------------------------------------------------
 
 

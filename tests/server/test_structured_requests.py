@@ -9,12 +9,16 @@ non-streamed response."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from jsonschema.validators import Draft202012Validator
 from starlette.testclient import TestClient
 
 from tandem.engine.engine_config import EngineConfig
@@ -264,3 +268,38 @@ def _sse(text: str) -> list[dict[str, Any]]:
     lines = [ln[len("data: "):] for ln in text.splitlines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_a_schema_is_checked_off_the_event_loop_while_other_requests_answer(worker, monkeypatch) -> None:
+    """The metaschema check of a schema once held the event loop for seconds (issue 38): here it is
+    held on purpose until a plain request on the same worker has answered. On the loop, the plain
+    request could not start and the held check would give up first."""
+    client, front = worker
+    entered, release = threading.Event(), threading.Event()
+    real = Draft202012Validator.iter_errors
+
+    def held(self: Any, instance: Any, *a: Any, **kw: Any) -> Any:
+        if isinstance(instance, dict) and instance.get("title") == "held":
+            entered.set()
+            if not release.wait(10):
+                raise TimeoutError("the check was never released")
+        return real(self, instance, *a, **kw)
+
+    monkeypatch.setattr(Draft202012Validator, "iter_errors", held)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            schema = json_schema_format({"title": "held", "type": "object"})
+            slow = asyncio.create_task(c.post("/v1/chat/completions", json=chat(response_format=schema)))
+            assert await asyncio.to_thread(entered.wait, 10)
+            plain = await c.post("/v1/chat/completions", json=chat())
+            assert plain.status_code == 200 and not slow.done()
+            release.set()
+            assert (await slow).status_code == 200
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+    assert len(front.opened) == 2
