@@ -4,6 +4,10 @@ A request goes through at once when a slot is free, the bucket has a token and n
 queued ahead of it; otherwise it waits in the queue, in arrival order. A full queue, or a
 wait past `queue_timeout`, answers 429 (the OpenAI status for "slow down"): nothing waits
 unbounded and nothing is dropped silently.
+
+A request holds one slot per sequence it opens (prompts x n), and at most MAX_REQUEST_SHARE of
+them: one batch of thousands took a single slot, then nearly every slot of the worker it
+reached, and the other clients got 429s. Past its share it is a 400, since waiting cannot help.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from tandem.web.errors import ApiError
+
+MAX_REQUEST_SHARE = 0.25  # of the slots, for one request's sequences (workers: server/front.py)
 
 
 class TokenBucket:
@@ -46,33 +52,47 @@ class Admission:
                  burst: int = 1) -> None:
         self.max_inflight, self.max_queue, self.queue_timeout = max_inflight, max_queue, queue_timeout
         self.bucket = TokenBucket(rate, max(1, burst))
-        self.inflight = 0
-        self.queue: deque[asyncio.Future] = deque()
+        self.inflight = 0  # requests admitted (the metrics' and the drain's count)
+        self.slots = 0  # what they hold: one per sequence
+        self.queue: deque[tuple[asyncio.Future, int]] = deque()  # (admitted, slots it needs)
+
+    @property
+    def max_per_request(self) -> int:
+        return max(1, int(self.max_inflight * MAX_REQUEST_SHARE))
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
+    async def slot(self, weight: int = 1) -> AsyncIterator[None]:
+        await self.acquire(weight)
         try:
             yield
         finally:
-            self.release()
+            self.release(weight)
 
-    def release(self) -> None:
+    def release(self, weight: int = 1) -> None:
         self.inflight -= 1
+        self.slots -= weight
         self._wake()
 
-    async def acquire(self) -> None:
-        if not self.queue and self.inflight < self.max_inflight and self.bucket.take():
-            self.inflight += 1
+    async def acquire(self, weight: int = 1) -> None:
+        """Takes `weight` slots: one per sequence the request opens."""
+        if weight > self.max_per_request:
+            raise ApiError(400, f"this request opens {weight} sequences (prompts x n); the router admits at most "
+                                f"{self.max_per_request} per request, a quarter of its {self.max_inflight} slots",
+                           param="n")
+        if not self.queue and self.slots + weight <= self.max_inflight and self.bucket.take():
+            self._admit(weight)
             return
         if len(self.queue) >= self.max_queue:
             raise ApiError(429, f"the router's queue is full ({self.max_queue} waiting); retry later")
         fut = asyncio.get_running_loop().create_future()
-        self.queue.append(fut)
+        entry = (fut, weight)
+        self.queue.append(entry)
         deadline = time.monotonic() + self.queue_timeout
         try:
             while True:
                 self._wake()
+                if fut.done():  # admitted just now: its slots are counted, so it must not give up
+                    return
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ApiError(429, f"waited {self.queue_timeout:.0f} s in the router's queue; retry later")
@@ -82,18 +102,22 @@ class Admission:
                 except TimeoutError:
                     continue
         finally:
-            if fut in self.queue:
-                self.queue.remove(fut)
+            if entry in self.queue:
+                self.queue.remove(entry)
 
     def _wake(self) -> None:
-        """Admit queued requests in order while a slot and a token are there."""
-        while self.queue and self.inflight < self.max_inflight:
-            head = self.queue[0]
+        """Admit queued requests in order while their slots and a token are there."""
+        while self.queue:
+            head, weight = self.queue[0]
             if head.done():
                 self.queue.popleft()
                 continue
-            if not self.bucket.take():
+            if self.slots + weight > self.max_inflight or not self.bucket.take():
                 return
             self.queue.popleft()
-            self.inflight += 1
+            self._admit(weight)
             head.set_result(None)
+
+    def _admit(self, weight: int) -> None:
+        self.inflight += 1
+        self.slots += weight

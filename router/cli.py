@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, choices=tuple(POLICIES), default=None)
     p.add_argument("--local-prefill-threshold", type=int, default=32)
     p.add_argument("--max-retries", type=int, default=2)
-    p.add_argument("--max-inflight", type=int, default=4096, help="requests dispatched at once; then they queue")
+    p.add_argument("--max-inflight", type=int, default=4096,
+                   help="sequences (prompts x n) dispatched at once; then requests queue")
     p.add_argument("--max-queue", type=int, default=1024)
     p.add_argument("--queue-timeout", type=float, default=30.0)
     p.add_argument("--rate-limit", type=float, default=None, help="requests per second (token bucket)")

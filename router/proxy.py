@@ -56,6 +56,7 @@ class Job:
     ids: list[int]  # the routing key: the (first) prompt's token ids
     tokens: int  # load estimate: prompt + generation budget, all choices
     stream: bool
+    choices: int = 1  # sequences it opens on a worker (prompts x n): its admission slots
     done: Callable[[], None] = lambda: None  # called once its answer is over (a stream: its last byte)
     # Returns once the client has gone; set for streams, whose wait for capacity nothing else cancels.
     disconnected: Callable[[], Awaitable[Any]] | None = None

@@ -54,13 +54,13 @@ async def run(request: Request, state: Any, job: Job) -> Response:
     peer = request.client.host if request.client else ""
     state.clients.acquire(peer)
     try:
-        await state.admission.acquire()
+        await state.admission.acquire(job.choices)
     except BaseException:
         state.clients.release(peer)
         raise
 
     def release() -> None:
-        state.admission.release()
+        state.admission.release(job.choices)
         state.clients.release(peer)
 
     job.done = _once(release)  # a stream holds its slots until its last byte
@@ -116,7 +116,8 @@ async def completion_job(state: Any, body: CompletionRequest, raw: dict) -> Job:
     if not body.echo and state.tokenizer.real:  # workers get ids (echo needs the text as written)
         raw = {**raw, "prompt": ids[0] if len(ids) == 1 else ids}  # a new dict: not the client's bytes
     budget = body.max_tokens if body.max_tokens is not None else DEFAULT_BUDGET
-    return Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream)
+    return Job("/v1/completions", raw, ids[0], sum(len(i) + budget for i in ids) * body.n, body.stream,
+               choices=len(ids) * body.n)
 
 
 async def chat_job(state: Any, body: ChatCompletionRequest, raw: dict) -> Job:
@@ -125,7 +126,7 @@ async def chat_job(state: Any, body: ChatCompletionRequest, raw: dict) -> Job:
     _check_model(state, body.model)
     ids = await _tokens(state, state.tokenizer.chat, body.template_messages(), body.template_tools())
     budget = body.max_new_tokens or DEFAULT_BUDGET
-    return Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n, body.stream)
+    return Job("/v1/chat/completions", raw, ids, (len(ids) + budget) * body.n, body.stream, choices=body.n)
 
 
 async def generate_job(state: Any, body: GenerateRequest, raw: dict) -> Job:
@@ -135,9 +136,10 @@ async def generate_job(state: Any, body: GenerateRequest, raw: dict) -> Job:
     first, budget = body.prompts()[0], body.sampling_params.max_new_tokens
     if isinstance(first, list) or state.proxy.needs_ids():
         ids = first if isinstance(first, list) else await _tokens(state, state.tokenizer.encode, first)
-        return Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()), body.stream)
+        return Job("/generate", raw, ids, (len(ids) + budget) * len(body.prompts()), body.stream,
+                   choices=len(body.prompts()))
     estimate = len(first) // CHARS_PER_TOKEN + budget  # load only: least_requests breaks ties on it
-    return Job("/generate", raw, [], estimate * len(body.prompts()), body.stream)
+    return Job("/generate", raw, [], estimate * len(body.prompts()), body.stream, choices=len(body.prompts()))
 
 
 PROXIED: dict[str, tuple[type[BaseModel], Callable[[Any, Any, dict], Awaitable[Job]]]] = {

@@ -24,6 +24,9 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries (logit_bias is refused, but only after the body is parsed)
 MAX_MESSAGES = 4096  # chat messages per request
 MAX_PROMPTS = 4096  # prompts in one batched request
+# Sequences one request opens (prompts x n). The router and each worker also hold a request to
+# a quarter of their admission slots (router/admission.py, server/front.py).
+MAX_CHOICES = MAX_PROMPTS
 # Prompt text per request, before tokenizing: ~1M tokens, more than any model's context, and
 # half the default --max-request-bytes, so it binds only when that limit is raised.
 MAX_PROMPT_CHARS = 4 * 2**20

@@ -172,6 +172,8 @@ class CompletionRequest(SamplingFields):
         if self.prompt == [] or self.prompt == "":
             raise ValueError("prompt must not be empty")
         _check_prompts(self.prompts())
+        if len(self.prompts()) * self.n > L.MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {L.MAX_CHOICES} (MAX_CHOICES)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -52,6 +52,7 @@ def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[
     the client's name for it, never the schedulers' key (front.py). Special tokens (a chat
     model's end-of-turn marker, ...) stay out of the text unless `skip_special_tokens` is false.
     `bootstrap` gives each job its PD room (protocol/bootstrap.py)."""
+    front.admit(len(jobs))
     choices: list[Choice] = []
     try:
         rooms = bootstrap.job_bootstraps(len(jobs)) if bootstrap is not None else [{}] * len(jobs)

@@ -6,7 +6,9 @@
 Outputs arrive on the client's reader thread and are handed to the event loop in one
 call per batch. A request lives in `active` from admission until its stream is closed;
 closing a stream that has not finished sends AbortReq, so a client that goes away frees
-its pages. Admission is bounded (429 past the limit) and stops while draining (503).
+its pages. Admission is bounded (429 past the limit) and stops while draining (503). One
+request's sequences (prompts x n) may hold at most MAX_REQUEST_SHARE of the slots: a single
+batch used to take nearly all of them, leaving every other client 429s.
 
 The schedulers know a request only by the id this front gives it, unique for the front's
 life. A client's own `rid` (/generate's) is a name kept beside it, for /abort_request and
@@ -32,6 +34,7 @@ from tandem.protocol.messages import AbortReq, AdminResult, GenerateReq, ReqOutp
 from tandem.web.errors import ApiError
 
 log = logging.getLogger(__name__)
+MAX_REQUEST_SHARE = 0.25  # of the admission slots, for one request's sequences (router: admission.py)
 
 
 class SchedulerDown(ApiError):
@@ -126,6 +129,20 @@ class Front:
         return self.client.info
 
     # ---- requests -----------------------------------------------------------------------------------
+    @property
+    def max_per_request(self) -> int:
+        return max(1, int(self.max_active * MAX_REQUEST_SHARE))
+
+    def admit(self, count: int) -> None:
+        """Before a request opens its `count` sequences: a 400 past its share of the slots
+        (waiting cannot help), a 429 when too few are free (so nothing is opened in vain)."""
+        if count > self.max_per_request:
+            raise ApiError(400, f"this request opens {count} sequences (prompts x n); this worker admits at most "
+                                f"{self.max_per_request} per request, a quarter of its {self.max_active} slots",
+                           param="n")
+        if len(self.active) + count > self.max_active:
+            raise ApiError(429, f"too many requests in flight ({self.max_active}); retry later")
+
     def open(self, input_ids: list[int], sampling: dict[str, Any], client_rid: str | None = None,
              **bootstrap: Any) -> Stream:
         """Admit one request and send it; the caller must `close` the stream."""

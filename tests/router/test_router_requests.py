@@ -146,6 +146,20 @@ def test_the_router_budgets_schemas_and_leaves_their_check_to_the_worker() -> No
     run(test)
 
 
+def test_a_request_past_its_share_of_the_routers_slots_is_a_400_no_worker_sees() -> None:
+    w = FakeWorker()
+
+    async def test() -> None:
+        async with fakes(w) as urls, router(colocated(urls, max_inflight=8)) as (url, _), httpx.AsyncClient() as c:
+            r = await c.post(url + "/v1/completions", json={**BODIES["/v1/completions"], "prompt": ["a", "b"], "n": 1})
+            assert r.status_code == 200, r.text
+            r = await c.post(url + "/v1/completions", json={**BODIES["/v1/completions"], "prompt": ["a", "b"], "n": 2})
+            assert r.status_code == 400 and "at most 2 per request" in r.json()["error"]["message"]
+            assert len(w.posts) == 1
+
+    run(test)
+
+
 # ---- bodies no worker could use ------------------------------------------------------------------------
 
 

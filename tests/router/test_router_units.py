@@ -120,6 +120,29 @@ def test_admission_queues_in_order_and_refuses_past_its_bounds() -> None:
     asyncio.run(main())
 
 
+def test_admission_counts_a_requests_sequences_up_to_a_quarter_of_the_slots() -> None:
+    """One request took one slot whatever its prompts x n: a batch could fill every worker."""
+
+    async def main() -> None:
+        adm = Admission(max_inflight=8, max_queue=4, queue_timeout=5)
+        with pytest.raises(ApiError) as big:
+            await adm.acquire(3)
+        assert big.value.status == 400 and adm.slots == 0
+        for _ in range(4):
+            await adm.acquire(2)
+        assert (adm.inflight, adm.slots) == (4, 8)
+        waiting = asyncio.create_task(adm.acquire(2))
+        await asyncio.sleep(0.01)  # sleep-ok: the task takes its place in line
+        adm.release(1)  # a request of one sequence (as far as the slots go) ends
+        await asyncio.sleep(0.01)  # sleep-ok: one free slot is not enough for it
+        assert not waiting.done()
+        adm.release(1)
+        await asyncio.wait_for(waiting, 5)
+        assert (adm.inflight, adm.slots) == (3, 8)
+
+    asyncio.run(main())
+
+
 def test_tokenizer_gives_the_workers_ids(model_path) -> None:
     from transformers import AutoTokenizer
 

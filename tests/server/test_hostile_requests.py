@@ -38,6 +38,8 @@ HOSTILE = [
     ("/v1/completions", {**CMPL, "best_of": 10**26}), ("/v1/completions", {**CMPL, "seed": 2**64}),
     ("/v1/completions", {**CMPL, "logit_bias": {str(i): 1.0 for i in range(2000)}}),
     ("/v1/completions", {**CMPL, "prompt": "x" * (4 * 2**20 + 1)}),
+    ("/v1/completions", {**CMPL, "prompt": ["x"] * 100, "n": 64}),  # prompts x n past MAX_CHOICES
+    ("/v1/completions", {**CMPL, "prompt": ["x"] * 50, "n": 64}),  # past a quarter of the worker's slots
     ("/v1/chat/completions", {**CHAT, "top_k": 10**26}), ("/v1/chat/completions", {**CHAT, "n": 65}),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**26}),
     ("/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 4097}),

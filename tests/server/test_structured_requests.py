@@ -68,6 +68,9 @@ class CannedFront:
                                      completion_tokens=len(toks), prompt_tokens=len(ids)))
         return s
 
+    def admit(self, count: int) -> None:
+        pass
+
     def close(self, stream: Stream) -> None:
         pass
 
