@@ -61,12 +61,14 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=L.MAX_STOP_TOKEN_IDS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 Constraint = Annotated[str, Field(min_length=1, max_length=L.MAX_CONSTRAINT_CHARS)]
 
-def _json_schema(text: str) -> str:
+
+def _parses(text: str) -> str:
+    """JSON, here; a schema, once the budget of all the body's schemas allows (schema_check.py)."""
     parse_schema_string(text, "json_schema")
     return text
 
 
-SchemaString = Annotated[Constraint, AfterValidator(_json_schema)]
+SchemaString = Annotated[Constraint, AfterValidator(_parses)]
 
 
 def _string_schemas(text: str | None, what: str) -> Schemas:
