@@ -16,7 +16,6 @@ from tandem.protocol import limits as L
 from tandem.protocol.body import Body
 from tandem.protocol.openai_api import MaxTokens, SamplingFields
 from tandem.protocol.response_format import JsonSchemaFormat, ResponseFormat
-from tandem.protocol.schema_check import Schemas, schema_text
 from tandem.protocol.tools import MessageToolCall, Tool, ToolChoice, check_tools, tool_constraint
 
 
@@ -91,12 +90,12 @@ class ChatCompletionRequest(SamplingFields):
             found["tool_choice"] = ("json_schema", forced)
         return found
 
-    def schema_fields(self) -> Schemas:
-        found = [(f"tools[{i}].function.parameters", t.function.parameters, schema_text(t.function.parameters))
-                 for i, t in enumerate(self.tools or []) if t.function.parameters is not None]
+    def schema_fields(self) -> list[tuple[str, Any, str | None]]:
+        found: list[tuple[str, Any, str | None]] = [
+            (f"tools[{i}].function.parameters", t.function.parameters, None)
+            for i, t in enumerate(self.tools or []) if t.function.parameters is not None]
         if isinstance(self.response_format, JsonSchemaFormat):
-            schema = self.response_format.json_schema.schema_
-            found.append(("response_format.json_schema.schema", schema, schema_text(schema)))
+            found.append(("response_format.json_schema.schema", self.response_format.json_schema.schema_, None))
         return found + super().schema_fields()
 
     @property

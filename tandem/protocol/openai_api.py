@@ -71,7 +71,7 @@ def _parses(text: str) -> str:
 SchemaString = Annotated[Constraint, AfterValidator(_parses)]
 
 
-def _string_schemas(text: str | None, what: str) -> Schemas:
+def _string_schemas(text: str | None, what: str) -> list[tuple[str, Any, str | None]]:
     """SGLang's json_schema, for schema_check: the engine compiles the text as it came."""
     return [] if text is None else [(what, parse_schema_string(text, what), text)]
 
@@ -109,7 +109,7 @@ class SamplingFields(Bootstrap):
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingFields:
-        charge_all(self.schemas)  # first: what follows reads the schemas (a forced tool choice joins them)
+        _ = self.schemas  # charged as they are read, first: a forced tool choice joins them below
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported; send 0")
         if self.logit_bias:
@@ -134,10 +134,12 @@ class SamplingFields(Bootstrap):
 
     @cached_property
     def schemas(self) -> Schemas:
-        """Every JSON Schema of the body, for schema_check (each parsed once)."""
-        return self.schema_fields()
+        """Every JSON Schema of the body with its text, for schema_check; reading them the first
+        time, while the body is validated, charges them to the request's budget."""
+        return charge_all(self.schema_fields())
 
-    def schema_fields(self) -> Schemas:
+    def schema_fields(self) -> list[tuple[str, Any, str | None]]:
+        """(field, schema, its text when the client sent one)."""
         return _string_schemas(self.json_schema, "json_schema")
 
     def sampling(self, max_new_tokens: int, index: int, top_logprobs: int | None) -> dict[str, Any]:
@@ -207,7 +209,7 @@ class GenerateSampling(BaseModel):
 
     @model_validator(mode="after")
     def _at_most_one_constraint(self) -> GenerateSampling:
-        charge_all(self.schemas)
+        _ = self.schemas
         given = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of {', '.join(CONSTRAINT_KINDS)} may be set, got {', '.join(given)}")
@@ -219,7 +221,7 @@ class GenerateSampling(BaseModel):
 
     @cached_property
     def schemas(self) -> Schemas:
-        return _string_schemas(self.json_schema, "sampling_params.json_schema")
+        return charge_all(_string_schemas(self.json_schema, "sampling_params.json_schema"))
 
     def engine_kwargs(self) -> dict[str, Any]:
         return self.model_dump(exclude={"skip_special_tokens"}, exclude_none=True)

@@ -10,6 +10,7 @@ the event loop: schema_check.py). The walk itself stops at the first bound it pa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +47,20 @@ class SchemaBudget:
     pattern_chars: int = 0
     unique_enums: bool = False  # the schema being charged is draft 3 or 4
 
-    def charge(self, schema: Any, text: str, what: str) -> None:
-        """`text` is the schema's compact text (the one the engine compiles)."""
+    def charge(self, schema: Any, text: str | None, what: str) -> str:
+        """Charges `schema` and returns its text: `text` when the client sent one (SGLang's
+        json_schema string), else the compact one the engine compiles, made once the walk
+        has bounded the schema."""
         if not isinstance(schema, dict | bool):
             raise SchemaRefused(what, "must be a JSON Schema (an object)")
+        self.unique_enums = _unique_enums(schema)
+        self._walk(schema, 0, "", False, what)
+        text = schema_text(schema) if text is None else text
         self.chars += len(text)
         if self.chars > L.MAX_SCHEMA_CHARS:
             raise SchemaRefused(what, f"brings this request's schemas to {self.chars} characters; at most "
                                       f"{L.MAX_SCHEMA_CHARS} (MAX_SCHEMA_CHARS) for all of them together")
-        self.unique_enums = _unique_enums(schema)
-        self._walk(schema, 0, "", False, what)
+        return text
 
     def _walk(self, node: Any, depth: int, key: str, data: bool, what: str) -> int:
         """Charges `node`, found under `key` (inside a value, not a schema, when `data`);
@@ -111,8 +116,11 @@ def _unique_enums(schema: Any) -> bool:
     return isinstance(draft, str) and validator_for(schema, default=None) in (Draft3Validator, Draft4Validator)
 
 
-def charge_all(schemas: list[tuple[str, Any, str]]) -> None:
-    """Charges one request's (field, schema, text) triples to one budget."""
+def schema_text(schema: Any) -> str:
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def charge_all(found: list[tuple[str, Any, str | None]]) -> list[tuple[str, Any, str]]:
+    """One request's (field, schema, text if sent) charged to one budget, with their texts."""
     budget = SchemaBudget()
-    for what, schema, text in schemas:
-        budget.charge(schema, text, what)
+    return [(what, schema, budget.charge(schema, text, what)) for what, schema, text in found]

@@ -25,17 +25,14 @@ from jsonschema.exceptions import best_match
 
 from tandem.protocol import limits as L
 from tandem.protocol.metaschemas import metaschema_validator
-from tandem.protocol.schema_budget import SchemaRefused
+from tandem.protocol.schema_budget import SchemaRefused, schema_text
 
 # Names of the constraint kinds, as SGLang's sampling_params and the engine's SamplingParams spell them.
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 # (the field it came from, the schema, its text): what a request body lists for both steps.
 Schemas = list[tuple[str, Any, str]]
-
-
-def schema_text(schema: Any) -> str:
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+__all__ = ["CONSTRAINT_KINDS", "Schemas", "ValidatedSchemas", "check_off_loop", "check_schema", "schema_text"]
 
 
 def parse_schema_string(text: str, what: str) -> Any:
