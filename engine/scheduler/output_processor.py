@@ -80,15 +80,17 @@ class OutputProcessor:
             req.first_token_time = now
         req.last_token_time = now
         req.output_ids.append(token)
-        grammar_end = accept_grammar_token(req, token)
-        if grammar_end is not None:
-            self.finish(req, grammar_end)
-            return
+        # Before the grammar may end the request: its last token has logprobs like every other
+        # (and a prefill whose first token ends it still has them to send to decode).
         if result.logprobs is not None:
             req.logprobs.append(result.logprobs[i])
             if result.top_logprobs is not None:
                 n = req.sampling_params.top_logprobs_num
                 req.top_logprobs.append(result.top_logprobs[i][:n])
+        grammar_end = accept_grammar_token(req, token)
+        if grammar_end is not None:
+            self.finish(req, grammar_end)
+            return
         reason = self.check_finished(req, token)
         if reason is not None:
             self.finish(req, reason)
