@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.runner.model_worker import GenerationBatchResult
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_abort, finish_length
@@ -104,7 +104,7 @@ class OutputProcessor:
                 req.detok = IncrementalDetokenizer(self.tokenizer())
                 req.detok.step(req.output_ids[:-1])
             delta = req.detok.step([token])
-            hit = find_stop(req.detok.text, len(delta), sp.stop) if delta else None
+            hit = req.detok.find_stop(len(delta), sp.stop) if delta else None
             if hit is not None:
                 return FinishReason("stop", matched=hit[1])
         if len(req.output_ids) >= sp.max_new_tokens:
