@@ -2,8 +2,8 @@
 
 A token a grammar mask (or a broken model row) rules out has logprob -inf, and JSON has no
 infinities: Python's encoder either refuses it (a 500) or writes `-Infinity`, which no strict
-client parses. vLLM reports such a token at -9999.0, as OpenAI does; so do we, on every route
-and role, from the sampler on (engine/runner/sampler.py). The PD first-token slot carries the
+client parses. vLLM reports such a token at -9999.0 (the value its code says OpenAI uses); so
+do we, on every route and role, from the sampler on (engine/runner/sampler.py). The PD first-token slot carries the
 same finite numbers from prefill to decode.
 """
 

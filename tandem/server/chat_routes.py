@@ -67,7 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         out_choices.append({"index": c.index, "message": parser.message(whole), "logprobs": lp,
                             "finish_reason": parser.finish_reason(deltas[-1].finish_reason)})
     return FiniteJSONResponse({**head, "object": "chat.completion", "choices": out_choices,
-                         "usage": usage(choices, [d[-1].out for d in per], body.n)})
+                               "usage": usage(choices, [d[-1].out for d in per], body.n)})
 
 
 async def _stream_chat(rt: Runtime, body: ChatCompletionRequest, choices: list[Choice],

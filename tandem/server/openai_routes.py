@@ -79,7 +79,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         out_choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": lp,
                             "finish_reason": deltas[-1].finish_reason})
     return FiniteJSONResponse({**head, "choices": out_choices,
-                         "usage": usage(choices, [d[-1].out for d in per], body.n)})
+                               "usage": usage(choices, [d[-1].out for d in per], body.n)})
 
 
 def _offsets(strs: list[str]) -> list[int]:
