@@ -11,6 +11,7 @@ import numpy as np
 from tandem.engine.scheduler.output_processor import accept_grammar_token
 from tandem.engine.scheduler.req import Req, ReqStatus
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+from tandem.protocol.logprobs import LOGPROB_FLOOR
 
 if TYPE_CHECKING:
     from tandem.engine.scheduler.scheduler import Scheduler
@@ -21,7 +22,9 @@ def start_decoding(sched: Scheduler, req: Req, token: int, logprob: float | None
     req.output_ids.append(token)
     req.status = ReqStatus.DECODING
     if req.sampling_params.return_logprob or req.sampling_params.top_logprobs_num:
-        req.logprobs.append(logprob if logprob is not None else float("nan"))
+        # None: prefill was not asked for logprobs (a router that sent the two roles different
+        # bodies). The floor, never NaN: every number a route emits is finite.
+        req.logprobs.append(logprob if logprob is not None else LOGPROB_FLOOR)
         req.top_logprobs.append(top[: req.sampling_params.top_logprobs_num])
     # Prefill sampled the first token under the same grammar; decode's matcher, built from the
     # same constraint, catches up on it here and continues from it.

@@ -20,6 +20,7 @@ import torch
 
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.sampling_params import SamplingParams
+from tandem.protocol.logprobs import LOGPROB_FLOOR
 
 _MASK32 = 0xFFFFFFFF
 
@@ -134,7 +135,15 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, positions: torch.Tensor) -> 
         # Logprobs are reported from the model's own distribution, before
         # temperature and filtering, as OpenAI's API does.
         raw = torch.log_softmax(logits, dim=-1)
-        out.logprobs = raw.gather(-1, ids[:, None]).squeeze(-1)
+        out.logprobs = _floored(raw.gather(-1, ids[:, None]).squeeze(-1))
         if sb.top_logprobs_num:
-            out.top_logprobs, out.top_ids = raw.topk(sb.top_logprobs_num, dim=-1)
+            top, out.top_ids = raw.topk(sb.top_logprobs_num, dim=-1)
+            out.top_logprobs = _floored(top)
     return out
+
+
+def _floored(logprobs: torch.Tensor) -> torch.Tensor:
+    """A grammar mask leaves the tokens it blocks at -inf, and a broken row may be NaN: every
+    logprob that leaves the device is a finite number (tandem/protocol/logprobs.py). Only the
+    gathered (batch, n) values are touched, never the vocabulary."""
+    return torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, posinf=0.0, neginf=LOGPROB_FLOOR).clamp_(LOGPROB_FLOOR, 0.0)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, find_stop
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.runner.model_worker import GenerationBatchResult
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_abort, finish_length
@@ -80,15 +80,17 @@ class OutputProcessor:
             req.first_token_time = now
         req.last_token_time = now
         req.output_ids.append(token)
-        grammar_end = accept_grammar_token(req, token)
-        if grammar_end is not None:
-            self.finish(req, grammar_end)
-            return
+        # Before the grammar may end the request: its last token has logprobs like every other
+        # (and a prefill whose first token ends it still has them to send to decode).
         if result.logprobs is not None:
             req.logprobs.append(result.logprobs[i])
             if result.top_logprobs is not None:
                 n = req.sampling_params.top_logprobs_num
                 req.top_logprobs.append(result.top_logprobs[i][:n])
+        grammar_end = accept_grammar_token(req, token)
+        if grammar_end is not None:
+            self.finish(req, grammar_end)
+            return
         reason = self.check_finished(req, token)
         if reason is not None:
             self.finish(req, reason)
@@ -102,7 +104,7 @@ class OutputProcessor:
                 req.detok = IncrementalDetokenizer(self.tokenizer())
                 req.detok.step(req.output_ids[:-1])
             delta = req.detok.step([token])
-            hit = find_stop(req.detok.text, len(delta), sp.stop) if delta else None
+            hit = req.detok.find_stop(len(delta), sp.stop) if delta else None
             if hit is not None:
                 return FinishReason("stop", matched=hit[1])
         if len(req.output_ids) >= sp.max_new_tokens:

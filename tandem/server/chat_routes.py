@@ -16,17 +16,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tandem.protocol.chat_api import ChatCompletionRequest
 from tandem.server.assistant_output import AssistantParser, assistant_parser
 from tandem.server.choices import Choice, Delta, await_admission, check_model, collect, merged, open_choices
-from tandem.server.openai_routes import sse, usage
+from tandem.server.openai_routes import usage
 from tandem.server.runtime import Runtime
 from tandem.server.schema_step import check_schemas
 from tandem.server.tokens import Tokens
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
+from tandem.web.finite_json import FiniteJSONResponse, sse
 
 router = APIRouter()
 
@@ -67,8 +68,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         whole = parser.feed(c.text.text, final=True)
         out_choices.append({"index": c.index, "message": parser.message(whole), "logprobs": lp,
                             "finish_reason": parser.finish_reason(deltas[-1].finish_reason)})
-    return JSONResponse({**head, "object": "chat.completion", "choices": out_choices,
-                         "usage": usage(choices, [d[-1].out for d in per], body.n)})
+    return FiniteJSONResponse({**head, "object": "chat.completion", "choices": out_choices,
+                               "usage": usage(choices, [d[-1].out for d in per], body.n)})
 
 
 async def _stream_chat(rt: Runtime, body: ChatCompletionRequest, choices: list[Choice],

@@ -12,13 +12,12 @@ JSON per request, an easy way for one client to slow every other.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tandem.protocol.openai_api import GenerateRequest
 from tandem.server.choices import Choice, Delta, await_admission, collect, merged, open_choices
@@ -26,6 +25,7 @@ from tandem.server.runtime import Runtime
 from tandem.server.schema_step import check_schemas
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
+from tandem.web.finite_json import FiniteJSONResponse, sse
 
 router = APIRouter()
 
@@ -81,14 +81,14 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     per = await cancel_on_disconnect(request, collect(rt.front, choices))
     results = [{"text": c.text.text, "output_ids": [t for d in ds for t in d.token_ids],
                 "meta_info": _meta(c, ds, t0, logprob)} for c, ds in zip(choices, per)]
-    return JSONResponse(results if body.is_batch else results[0])
+    return FiniteJSONResponse(results if body.is_batch else results[0])
 
 
 async def _stream(rt: Runtime, c: Choice, t0: float, logprob: bool) -> AsyncIterator[str]:
     try:
         async for d in merged(rt.front, [c]):
             chunk = {"text": d.text, "output_ids": d.token_ids, "meta_info": _meta(c, [d], t0, logprob)}
-            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            yield sse(chunk)
     except ApiError as exc:
-        yield f"data: {json.dumps(exc.body())}\n\n"
+        yield sse(exc.body())
     yield "data: [DONE]\n\n"

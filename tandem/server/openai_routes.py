@@ -7,14 +7,13 @@ every chunk carries "usage": null and one last chunk with no choices carries it.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from tandem.protocol.openai_api import CompletionRequest
 from tandem.server.choices import Choice, Delta, await_admission, check_model, collect, merged, open_choices
@@ -23,12 +22,9 @@ from tandem.server.schema_step import check_schemas
 from tandem.server.tokens import Tokens
 from tandem.web.disconnect import cancel_on_disconnect
 from tandem.web.errors import ApiError
+from tandem.web.finite_json import FiniteJSONResponse, sse
 
 router = APIRouter()
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 def usage(choices: list[Choice], outs: list[Any], per_prompt: int) -> dict[str, Any]:
@@ -84,8 +80,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             lp["text_offset"] = _offsets(lp["tokens"])
         out_choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": lp,
                             "finish_reason": deltas[-1].finish_reason})
-    return JSONResponse({**head, "choices": out_choices,
-                         "usage": usage(choices, [d[-1].out for d in per], body.n)})
+    return FiniteJSONResponse({**head, "choices": out_choices,
+                               "usage": usage(choices, [d[-1].out for d in per], body.n)})
 
 
 def _offsets(strs: list[str]) -> list[int]:

@@ -21,6 +21,7 @@ from tandem.pd import protocol as pd
 from tandem.pd.parts import refused
 from tandem.pd.secret import check_pd_secret, new_pd_secret
 from tandem.pd.transfer.first_token import MAX_TOP, FirstTokenSlots
+from tandem.protocol.logprobs import LOGPROB_FLOOR
 
 
 def _resolver(table: dict[str, list[str]], calls: list[str], gate: threading.Event | None = None):
@@ -114,6 +115,17 @@ def test_a_bad_first_token_slot_is_refused() -> None:
         slots.buf[1, col] = value
         with pytest.raises(ValueError):
             slots.read(1, vocab_size=64)
+
+
+def test_a_token_the_grammar_ruled_out_reads_as_the_floor() -> None:
+    """A grammar mask leaves blocked tokens at -inf: the slot of a prefill that sends them as
+    they are is no attack, and decode reads them as the floor every route reports."""
+    slots = FirstTokenSlots(1)
+    slots.write(0, 41, -math.inf, [(41, 0.0), (3, -math.inf)])
+    assert slots.read(0, vocab_size=64) == (41, LOGPROB_FLOOR, [(41, 0.0), (3, LOGPROB_FLOOR)])
+    slots.buf[0, 3 + MAX_TOP] = 0.5  # a probability above 1 is no logprob
+    with pytest.raises(ValueError):
+        slots.read(0, vocab_size=64)
 
 
 def test_a_refused_handshake_names_fields_not_values() -> None:

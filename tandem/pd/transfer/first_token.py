@@ -21,9 +21,15 @@ import math
 import torch
 
 from tandem.pd.protocol import MetaRegion
+from tandem.protocol.logprobs import floor_logprob
 
 MAX_TOP = 20  # the OpenAI limit on top_logprobs
 WIDTH = 3 + 2 * MAX_TOP
+
+
+def _is_logprob(x: float) -> bool:
+    """-inf included; NaN, +inf and positive numbers are no logprob."""
+    return x <= 0.0
 
 
 class FirstTokenSlots:
@@ -53,7 +59,9 @@ class FirstTokenSlots:
 
     def read(self, slot: int, vocab_size: int = 2**53) -> tuple[int, float | None, list[tuple[int, float]]]:
         """The slot's (token, logprob or None, top). A peer wrote it: a ValueError says what is
-        not a token below `vocab_size`, a count up to MAX_TOP, or a finite logprob."""
+        not a token below `vocab_size`, a count up to MAX_TOP, or a logprob (a number up to 0).
+        A logprob of -inf is a token the grammar ruled out, which a prefill of an older release
+        sends as it is: it reads as the floor every route reports (tandem/protocol/logprobs.py)."""
         row = self.buf[slot].tolist()
         n = row[2]
         if not (n.is_integer() and 0 <= n <= MAX_TOP):
@@ -62,10 +70,10 @@ class FirstTokenSlots:
         bad = [t for t in (row[0], *ids) if not (t.is_integer() and 0 <= t < vocab_size)]  # nan, inf: not integer
         if bad:
             raise ValueError(f"token {bad[0]} outside the vocabulary (0..{vocab_size - 1})")
-        if not all(math.isfinite(lp) for lp in lps) or not (math.isnan(row[1]) or math.isfinite(row[1])):
-            raise ValueError("a logprob that is not a finite number")
-        logprob = None if math.isnan(row[1]) else row[1]
-        return int(row[0]), logprob, [(int(t), lp) for t, lp in zip(ids, lps)]
+        if not all(_is_logprob(lp) for lp in lps) or not (math.isnan(row[1]) or _is_logprob(row[1])):
+            raise ValueError("a logprob that is not a number up to 0")
+        logprob = None if math.isnan(row[1]) else floor_logprob(row[1])
+        return int(row[0]), logprob, [(int(t), floor_logprob(lp)) for t, lp in zip(ids, lps)]
 
     def check_integrity(self, in_use: int = 0) -> None:
         assert len(set(self.free)) == len(self.free), "a first-token slot is free twice"
