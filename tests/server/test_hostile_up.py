@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -124,5 +127,102 @@ def test_every_attack_is_a_4xx_and_the_stack_serves_on(model_path) -> None:
             assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
         _pools_whole(stack)
     finally:
+        stack.stop()
+    stack.assert_gone()
+
+
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+
+
+def _schema(schema: object) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _tool(i: int, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": f"tool_{i}", "parameters": parameters}}
+
+
+# (name, path, body, what a 200 must show): the structured-output, logprobs and admission attacks of
+# issue 38. Each must be a 4xx or a correct answer; none may slow the probe's requests.
+STRUCTURED_ATTACKS = [
+    ("draft-04 mixed enum", "/v1/chat/completions",
+     {**CHAT, "response_format": _schema({"$schema": DRAFT4, "enum": ["a", *range(3999)]})}, None),
+    ("anyOf of 8,000", "/v1/chat/completions", {**CHAT, "response_format": _schema({"anyOf": [{}] * 8000})}, None),
+    ("128 large tools", "/v1/chat/completions",
+     {**CHAT, "tools": [_tool(i, {"type": "object", "properties": {f"p{j}": {"type": "string", "description": "d" * 40}
+                                                                   for j in range(60)}}) for i in range(128)]}, None),
+    ("logprobs under a regex", "/v1/completions", {**CMPL, "regex": "(yes|no)", "logprobs": 5}, "finite"),
+    ("top_logprobs under a schema", "/v1/chat/completions",
+     {**CHAT, "logprobs": True, "top_logprobs": 5,
+      "response_format": _schema({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                                  "additionalProperties": False})}, "finite"),
+    ("logprobs under a regex, streamed", "/generate",
+     {"text": "x", "stream": True, "return_logprob": True, "top_logprobs_num": 5,
+      "sampling_params": {"max_new_tokens": 3, "temperature": 0, "regex": "[ab]+"}}, "finite"),
+    ("an ambiguous never-ending grammar", "/v1/completions",
+     {**CMPL, "max_tokens": 200, "ignore_eos": True, "ebnf": 'root ::= (x | "x" | "xx")*\nx ::= "x" | "xx" | x x'},
+     None),
+    ("a schema that compiles slowly", "/v1/chat/completions",
+     {**CHAT, "response_format": _schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                          for i in range(1000)}})}, None),
+    ("prompts x n", "/v1/completions", {**CMPL, "prompt": ["a"] * 64, "n": 64}, None),
+]
+
+
+def _strict(text: str) -> object:
+    def refuse(name: str) -> object:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+class Probe(threading.Thread):
+    """A small chat request every second, as a neighbour of the attacks would send: its latencies
+    show whether anyone else's request was held up."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop, self.seen = url, threading.Event(), []
+
+    def once(self) -> float:
+        start = time.monotonic()
+        r = httpx.post(self.url + "/v1/chat/completions", json={**CHAT, "temperature": 0}, timeout=120)
+        return time.monotonic() - start if r.status_code == 200 else float("inf")
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.seen.append(self.once())
+
+
+def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(model_path) -> None:
+    stack = Stack(model_path("tiny")).wait_up()
+    probe = Probe(stack.url)
+    try:
+        pids = {name: info["pid"] for name, info in stack.state().items()}
+        unloaded = statistics.median(probe.once() for _ in range(7))
+        probe.start()
+        results = []
+        for name, path, body, expect in STRUCTURED_ATTACKS:
+            r = httpx.post(stack.url + path, json=body, timeout=180)
+            results.append((name, r.status_code, r.text[:300]))
+            assert r.status_code < 500, (name, r.text[:500])
+            if expect is not None:
+                assert r.status_code == 200, (name, r.text[:500])
+                lines = [ln[5:] for ln in r.text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
+                payloads = [_strict(x) for x in lines] if body.get("stream") else [_strict(r.text)]
+                assert payloads, name
+        probe.stop.set()
+        probe.join()
+        print("PROBE", unloaded, probe.seen); [print("RES", x) for x in results]
+        assert len(probe.seen) >= 3, results
+        # Nobody waited: the neighbour's requests kept their unloaded latency (within 2x, plus a
+        # scheduling quantum the 2-core CI machine needs when an attack is being refused at the same time).
+        slowest = max(probe.seen)
+        assert slowest <= 2 * unloaded + 0.25, (unloaded, probe.seen, results)
+        assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()
+        assert "restarting" not in stack.output()
+        _pools_whole(stack)
+    finally:
+        probe.stop.set()
         stack.stop()
     stack.assert_gone()
