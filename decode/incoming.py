@@ -28,5 +28,6 @@ class Incoming:
     slot: int | None = None
     chunks: int = 0
     total: int | None = None
+    held: bool = False  # waited in prealloc for its prefill's first-token slots
     pages: list[int] = field(default_factory=list)  # the pages KVDest named (reserved for the transfer)
     staging: list[list[int]] = field(default_factory=list)  # KVDest.staging: pool pages (decode/staging.py)
