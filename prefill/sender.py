@@ -281,12 +281,14 @@ class PrefillSender:
 
     def _settle(self, og: Outgoing) -> None:
         """Release the room once its request is finished, no more sends will start and
-        every started one has been reported."""
-        if not (og.req.finished() and og.in_flight == 0 and not og.sending):
+        every started one has been reported. Once: a failed send's report ends the room
+        (_end settles) and is settled again by poll, which once freed its slot twice."""
+        if self.rooms.get(og.room) is not og or not (og.req.finished() and og.in_flight == 0 and not og.sending):
             return
         self.cache.release(og.req)
         if og.slot is not None:
             self.slots.release(og.slot)
+            og.slot = None
         if og.peer and og.tell is not None:  # decode may free its pages now
             self.channel.send(og.peer, pd.KVCancel(og.room, og.tell))
         elif og.peer and og.cancel_ack:

@@ -6,7 +6,8 @@
   slots in transfer. Every request answers with the tokens decode computes for it itself.
 - bounds: a peer holding the secret (tests/support/fake_decode.py) names pages or a slot
   outside what its handshake declared. That request fails alone, before it is computed,
-  and the peer is told why.
+  and the peer is told why. One whose handshake lied about its pool fails at the send
+  (NIXL refuses it), alone too: that once freed the request's slot twice and ended prefill.
 
 Each test ends with a PD request answering and every pool whole; prefill never exits."""
 
@@ -92,5 +93,25 @@ def test_a_kvdest_outside_decodes_bounds_fails_its_request_alone(stack, dest) ->
         told = fake.wait_for(pd.KVCancel)
         assert told.room == room and "outside decode's" in told.reason, told
         assert pd_stats(pre)[0]["sends"] == sends  # refused before it was computed: nothing went out
+    finally:
+        fake.close()
+
+
+def test_a_send_refused_after_the_first_token_fails_its_request_alone(stack) -> None:
+    """The pages fit the pool decode declared, not the one it registered: NIXL refuses the
+    last chunk's write after the request has finished on prefill."""
+    from fake_decode import FakeDecode
+
+    model, pre, _ = stack
+    fake = FakeDecode(model, pre.bootstrap, declared_pages=10_000)
+    try:
+        fake.handshake()
+        room = random.randrange(2**63)
+        fake.send(pd.KVDest(room, list(range(5000, 5040)), 0, 0, len(PROMPT)))
+        pre.post("/generate", {"input_ids": PROMPT, "sampling_params": SP, "bootstrap_host": "127.0.0.1",
+                               "bootstrap_port": pre.bootstrap, "bootstrap_room": room})
+        told = fake.wait_for(pd.KVCancel)
+        assert told.room == room and "KV send refused" in told.reason, told
+        assert pd_stats(pre)[0]["failed"] >= 1
     finally:
         fake.close()

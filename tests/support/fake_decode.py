@@ -26,7 +26,9 @@ NUM_PAGES, SLOTS = 64, 4  # what its handshake declares: pages 1..63, slots 0..3
 
 
 class FakeDecode:
-    def __init__(self, model: Path, bootstrap: int, page_size: int = 1) -> None:
+    def __init__(self, model: Path, bootstrap: int, page_size: int = 1, declared_pages: int = NUM_PAGES) -> None:
+        """`declared_pages`: the pool size its handshake claims (more than it registered: a lie
+        prefill believes, so NIXL refuses what it writes past the real pool)."""
         cfg = json.loads((model / "config.json").read_text())
         heads, layers = cfg["num_key_value_heads"], cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -36,7 +38,8 @@ class FakeDecode:
         self.transfer = NixlTransfer(self.name)
         agent = self.transfer.register(self.pool.layout(), self.slots.region())
         identity = pd.Identity(pd.PD_VERSION, model_id(str(model)), "float32", page_size, layers, heads, head_dim)
-        self.hello = pd.Hello(self.name, dataclasses.asdict(identity), self.pool.layout().to_dict(),
+        layout = {**self.pool.layout().to_dict(), "num_pages": declared_pages}
+        self.hello = pd.Hello(self.name, dataclasses.asdict(identity), layout,
                               base64.b64encode(agent).decode(), dataclasses.asdict(self.slots.region()))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
