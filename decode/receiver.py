@@ -4,7 +4,8 @@ A request carrying bootstrap_host/port/room goes through
 
     resolving (allowlist.py: not a configured prefill's address: 400, nothing connects) -->
     bootstrap --handshake ok--> prealloc --pages + slot reserved, KVDest sent--> transfer
-        |                          |   (waits while the pool is full)                |
+        |                          |   (waits while the pool is full, or its prefill |
+        |                          |    has as many rooms as first-token slots)      |
         |                          +--> uncached part short: prefill it here          |
         v                               (conditional disaggregation, KVCancel to P)   v
     fail fast (mismatch, dead peer, timeout)          all chunks + first token in: joins the
@@ -317,6 +318,7 @@ class DecodeReceiver:
                 "notes_refused": self.arrival.refused, **self.stats, **self.staging.stats}
 
     def check_integrity(self) -> None:
+        # The idle self-check's language (as the engine's pools): only this process's bugs fail it.
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
         assert not len(self.agree), f"{len(self.agree)} rooms' arrival reports kept while idle"
         self.slots.check_integrity(in_use=0)
