@@ -11,7 +11,7 @@ from tandem.engine.scheduler.req import Req
 class Stage(StrEnum):
     RESOLVING = "resolving"  # its prefill's address is being checked against the allowlist
     BOOTSTRAP = "bootstrap"  # waiting for the handshake with its prefill
-    PREALLOC = "prealloc"  # waiting for free pages and a first-token slot
+    PREALLOC = "prealloc"  # waiting for free pages, a first-token slot, and room at its prefill (Link.slots)
     TRANSFER = "transfer"  # pages reserved and KVDest sent: prefill is writing them
     CANCELLING = "cancelling"  # cancelled mid-transfer: its pages wait for prefill's KVCancelled
 
@@ -28,5 +28,6 @@ class Incoming:
     slot: int | None = None
     chunks: int = 0
     total: int | None = None
+    held: bool = False  # waited in prealloc for its prefill's first-token slots
     pages: list[int] = field(default_factory=list)  # the pages KVDest named (reserved for the transfer)
     staging: list[list[int]] = field(default_factory=list)  # KVDest.staging: pool pages (decode/staging.py)

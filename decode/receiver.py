@@ -4,7 +4,8 @@ A request carrying bootstrap_host/port/room goes through
 
     resolving (allowlist.py: not a configured prefill's address: 400, nothing connects) -->
     bootstrap --handshake ok--> prealloc --pages + slot reserved, KVDest sent--> transfer
-        |                          |   (waits while the pool is full)                |
+        |                          |   (waits while the pool is full, or its prefill |
+        |                          |    has as many rooms as first-token slots)      |
         |                          +--> uncached part short: prefill it here          |
         v                               (conditional disaggregation, KVCancel to P)   v
     fail fast (mismatch, dead peer, timeout)          all chunks + first token in: joins the
@@ -27,7 +28,7 @@ it has fully arrived on every rank (tandem/pd/agree.py).
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from tandem.decode.allowlist import Allowlist, Verdict
@@ -71,7 +72,7 @@ class DecodeReceiver:
         self.rooms: dict[int, Incoming] = {}
         self.by_rid: dict[str, Incoming] = {}
         self.stats = {"transferred": 0, "local_prefills": 0, "reused_tokens": 0, "failed": 0,
-                      "handshake_failures": 0, "refused_addresses": 0}
+                      "handshake_failures": 0, "refused_addresses": 0, "held_for_prefill_slots": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
                            pd.KVCancelled: self.on_cancelled}
@@ -175,25 +176,48 @@ class DecodeReceiver:
         self._expire()
 
     def _preallocate(self) -> None:
+        """First come, first served: a full pool holds everyone behind too. A prefill takes at
+        most its first-token slots' worth of rooms (Link.slots, from its Welcome): beyond that
+        its rooms wait here, holding no pages, and the others go on."""
+        held = Counter(i.peer for i in self.rooms.values() if i.stage in (Stage.TRANSFER, Stage.CANCELLING))
         for inc in list(self.queue):
-            if inc.stage == Stage.PREALLOC and not self._reserve(inc):
-                break  # first come, first served: a full pool holds everyone behind too
+            if inc.stage != Stage.PREALLOC:
+                continue
+            full = held[inc.peer] >= self.peers.link(inc.peer).slots
+            # Held, a long prompt is not matched against the cache every poll (a match costs its
+            # length): one mostly cached here may wait for a slot before it is prefilled here.
+            long = len(inc.req.origin_input_ids) > self.cfg.pd_local_prefill_threshold
+            if not (full and long) and self._uncached(inc) <= self.cfg.pd_local_prefill_threshold:
+                self._prefill_here(inc)
+            elif full:
+                self.stats["held_for_prefill_slots"] += not inc.held
+                inc.held = True
+            elif self._reserve(inc):
+                held[inc.peer] += 1
+            else:
+                break
 
-    def _reserve(self, inc: Incoming) -> bool:
+    def _uncached(self, inc: Incoming) -> int:
+        """Match the prompt against decode's radix cache: the tokens prefill would send."""
         req = inc.req
-        n = len(req.origin_input_ids)
         req.init_next_round_input(self.cache.tree)
         if self.cfg.disable_pd_decode_prefix_reuse:
             empty = self.cache.tree.match_prefix([])
             req.prefix_indices, req.last_node = empty.indices, empty.last_node
-            req.extend_input_len = n
-        if req.extend_input_len <= self.cfg.pd_local_prefill_threshold:
-            self.queue.remove(inc)
-            self._forget(inc)
-            self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode prefills it (conditional disaggregation)"))
-            self.stats["local_prefills"] += 1
-            self.sched.prefill.add(req)
-            return True
+            req.extend_input_len = len(req.origin_input_ids)
+        return req.extend_input_len
+
+    def _prefill_here(self, inc: Incoming) -> None:
+        """Conditional disaggregation: prefill drops the request, decode computes it."""
+        self.queue.remove(inc)
+        self._forget(inc)
+        self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode prefills it (conditional disaggregation)"))
+        self.stats["local_prefills"] += 1
+        self.sched.prefill.add(inc.req)
+
+    def _reserve(self, inc: Incoming) -> bool:
+        req = inc.req
+        n = len(req.origin_input_ids)
         if not reserve_room(self.sched, self.slots, self.staging, self.peers.link(inc.peer).staging, inc):
             return False  # the pool is short: wait
         skip = len(req.prefix_indices)
@@ -294,6 +318,7 @@ class DecodeReceiver:
                 "notes_refused": self.arrival.refused, **self.stats, **self.staging.stats}
 
     def check_integrity(self) -> None:
+        # The idle self-check's language (as the engine's pools): only this process's bugs fail it.
         assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
         assert not len(self.agree), f"{len(self.agree)} rooms' arrival reports kept while idle"
         self.slots.check_integrity(in_use=0)

@@ -12,6 +12,7 @@ from tandem.pd import protocol as pd
 
 class Phase(StrEnum):
     AWAITING_DEST = "awaiting_dest"  # admitted; waits (bounded) for decode's KVDest before it is computed
+    AWAITING_SLOT = "awaiting_slot"  # KVDest taken; waits (bounded, in order) for a first-token slot
     SENDING = "sending"  # in the prefill queue: each finished chunk's pages go out
     SENT = "sent"  # the last chunk and the first token are on their way: no more sends
     ENDED = "ended"  # stopped early (abort, cancel, failed send, dead decode): `why` says why
@@ -29,7 +30,7 @@ class Outgoing:
     sent_upto: int = 0  # prompt positions whose pages are sent (or that decode had)
     chunks: int = 0
     in_flight: int = 0  # sends not yet reported by NIXL
-    slot: int | None = None  # local first-token slot of the last send
+    slot: int | None = None  # local first-token slot, held from the KVDest taken until settled (slot_queue.py)
     tell: str | None = None  # KVCancel decode with this once settled (nothing in flight)
     cancel_ack: bool = False  # decode asked to cancel: answer KVCancelled once settled
 

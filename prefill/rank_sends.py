@@ -64,8 +64,12 @@ class RankSends:
         for w in link.writes:
             one = Send(key, link.agents.get(w.decode), w, src, dst, notify, slot if w.slot else None)
             if w.scatter is not None and staging[0] and w.decode in link.layouts:  # into decode's staging
-                one = replace(one, dest=link.layouts[w.decode].sliced(w.heads),
-                              dst=staged_pages(staging[0][w.scatter], staging[1], len(src), link.staging.per_page))
+                try:  # decode's pages, checked on arrival (dest_check.py); refused here all the same
+                    one = replace(one, dest=link.layouts[w.decode].sliced(w.heads), dst=staged_pages(
+                        staging[0][w.scatter], staging[1], len(src), link.staging.per_page))
+                except (LookupError, ValueError) as exc:
+                    entry[1] = entry[1] or f"KV send refused: {exc}"
+                    continue
                 self.stats["scatter_sends"] += 1
             if w.gather and self.staging.fits(len(src), w.heads):
                 self.waiting.append(one)
@@ -87,7 +91,7 @@ class RankSends:
                 raise KeyError(f"no agent for decode rank {one.write.decode}")
             self.transfer.send(one.agent, one.key, pages, one.dst, one.notify, slot=one.slot,
                                heads=one.write.heads, source=source, dest=one.dest)
-        except (KeyError, ValueError) as exc:
+        except (LookupError, ValueError) as exc:  # an index past a bound: this chunk fails, nothing else
             entry[1] = f"KV send refused: {exc}"
             return
         entry[0] += 1
@@ -135,5 +139,6 @@ class RankSends:
         return {**self.stats, **self.staging.stats}
 
     def check_integrity(self) -> None:
+        # The idle self-check's language: a failure is this process's bug, never a peer's input.
         assert not self.open and not self.waiting and not len(self.agree), "chunk sends unreported while idle"
         self.staging.check_integrity()

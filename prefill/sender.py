@@ -2,9 +2,9 @@
 
 A request's life on prefill (one `Outgoing` per bootstrap room):
 
-    admitted ---KVDest from decode---> waiting queue -> prefill chunks -> first token
-       |  (bounded: pd_bootstrap_timeout)                |  after each chunk: NIXL WRITE of
-       v                                                 v  its whole pages into decode's
+    admitted --KVDest (checked)--> first-token slot --> waiting queue -> prefill chunks
+       |  (bounded: pd_bootstrap_timeout)  (waits in order for one:   |  after each chunk: NIXL
+       v                                    slot_queue.py)            v  WRITE of its whole pages
     abort: no decode claimed it               last chunk: the rest + the first-token slot
                                                           |
                         every send reported done ---------+--> KV released (radix keeps it)
@@ -32,8 +32,10 @@ from tandem.pd.agree import Agreement
 from tandem.pd.control.channel import PeerDown, PeerMsg
 from tandem.pd.parts import Link, TransferParts, refused
 from tandem.pd.tick_codec import TICK_CODEC
+from tandem.prefill.dest_check import dest_problem
 from tandem.prefill.outgoing import Early, Outgoing, Phase
 from tandem.prefill.rank_sends import RankSends
+from tandem.prefill.slot_queue import SlotQueue
 from tandem.prefill.staging import SliceStaging
 from tandem.protocol.messages import GenerateReq
 
@@ -61,10 +63,11 @@ class PrefillSender:
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, Early] = {}
+        self.slot_queue = SlotQueue(self.slots)
         # page_runs (counted by the transfer) / pages_sent: how scattered sends are (a run of consecutive pages on both
         # sides is one descriptor per layer and K/V; docs/pd.md, bandwidth).
         self.stats = {"handshakes": 0, "handshake_failures": 0, "kv_bytes_sent": 0, "sends": 0,
-                      "pages_sent": 0, "failed": 0, "bootstrap_timeouts": 0}
+                      "pages_sent": 0, "failed": 0, "bootstrap_timeouts": 0, "slot_timeouts": 0}
         self.handlers = {PeerMsg: self.on_peer_msg, PeerDown: self.on_peer_down}
         self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
 
@@ -94,17 +97,20 @@ class PrefillSender:
         return True
 
     def _take_dest(self, og: Outgoing, peer: str, dest: pd.KVDest) -> None:
-        P = self.layout.page_size
-        n = len(og.req.origin_input_ids)
-        want, link = -(-n // P) - dest.skip // P, self.peers.get(peer)
-        if dest.prompt_len != n or dest.skip % P or len(dest.pages) != want:
-            problem = f"{len(dest.pages)} pages for {n} tokens from {dest.skip}; {dest.prompt_len} tokens on decode"
-        else:  # and the staging pages for head slices it scatters (head_map.Staging)
-            problem = link.staging.problem(dest.staging, want) if link is not None else None
+        link = self.peers.get(peer)
+        og.peer = peer  # told why, if it fails here
+        problem = (dest_problem(dest, len(og.req.origin_input_ids), self.layout.page_size, link)
+                   if link is not None else "no handshake with this decode")
         if problem is not None:
-            self._end(og, f"decode's pages do not fit this prompt ({problem})")
+            self._end(og, f"decode's KVDest does not fit this request ({problem})")
             return
-        og.dest, og.peer, og.sent_upto, og.phase = dest, peer, dest.skip, Phase.SENDING
+        og.dest, og.sent_upto, og.phase, og.since = dest, dest.skip, Phase.AWAITING_SLOT, self.sched.now
+        if self.slot_queue.take(og):
+            self._start(og)
+
+    def _start(self, og: Outgoing) -> None:
+        """`og` holds its first-token slot: it joins the prefill queue."""
+        og.phase = Phase.SENDING
         self.sched.prefill.add(og.req)
 
     # ---- control messages ------------------------------------------------------------------------
@@ -181,7 +187,10 @@ class PrefillSender:
 
     def _send_chunk(self, og: Outgoing, computed: int, last: bool) -> None:
         P, req, dest = self.layout.page_size, og.req, og.dest
-        assert dest is not None and req.req_pool_idx is not None
+        if dest is None or og.slot is None or req.req_pool_idx is None:
+            # Not reachable: SENDING begins with both (_take_dest, _start), a computed chunk has its row.
+            self._end(og, "internal: a room sending without its KVDest, slot or row")
+            return
         upto = len(req.origin_input_ids) if last else computed // P * P
         if upto <= og.sent_upto and not last:
             return
@@ -190,9 +199,7 @@ class PrefillSender:
         first = (og.sent_upto - dest.skip) // P
         dst = dest.pages[first : first + len(src)]
         slot = None
-        if last:
-            og.slot = self.slots.alloc()
-            assert og.slot is not None, "more requests than first-token slots"
+        if last:  # the slot was reserved with the KVDest (slot_queue.py)
             top = req.top_logprobs[0] if req.top_logprobs else []
             self.slots.write(og.slot, req.output_ids[0], req.logprobs[0] if req.logprobs else None, top)
             slot = (og.slot, dest.slot)
@@ -224,8 +231,13 @@ class PrefillSender:
                 self.stats["failed"] += 1
                 self._end(og, error, override=True)
             self._settle(og)
+        for og in self.slot_queue.grant():  # the slots settled rooms freed
+            self._start(og)
         now = self.sched.now
         for og in list(self.rooms.values()):
+            if og.phase is Phase.AWAITING_SLOT and now - og.since > self.cfg.pd_transfer_timeout:
+                self.stats["slot_timeouts"] += 1  # decode gives up on the transfer then too
+                self._end(og, f"no first-token slot free within {self.cfg.pd_transfer_timeout:.0f} s")
             if og.phase is Phase.AWAITING_DEST and now - og.since > self.cfg.pd_bootstrap_timeout:
                 self.stats["bootstrap_timeouts"] += 1
                 # 408, not 503: this prefill is sound, the request's other half never came (a decode
@@ -244,6 +256,8 @@ class PrefillSender:
         if og.phase in (Phase.SENT, Phase.ENDED) and not override:
             self._settle(og)
             return
+        if og.phase is Phase.AWAITING_SLOT:
+            self.slot_queue.leave(og)
         og.phase, og.why = Phase.ENDED, why
         req = og.req
         reason = finish_abort(why, status if ack else 200)
@@ -267,12 +281,14 @@ class PrefillSender:
 
     def _settle(self, og: Outgoing) -> None:
         """Release the room once its request is finished, no more sends will start and
-        every started one has been reported."""
-        if not (og.req.finished() and og.in_flight == 0 and not og.sending):
+        every started one has been reported. Once: a failed send's report ends the room
+        (_end settles) and is settled again by poll, which once freed its slot twice."""
+        if self.rooms.get(og.room) is not og or not (og.req.finished() and og.in_flight == 0 and not og.sending):
             return
         self.cache.release(og.req)
         if og.slot is not None:
             self.slots.release(og.slot)
+            og.slot = None
         if og.peer and og.tell is not None:  # decode may free its pages now
             self.channel.send(og.peer, pd.KVCancel(og.room, og.tell))
         elif og.peer and og.cancel_ack:
@@ -291,10 +307,14 @@ class PrefillSender:
 
     def status(self) -> dict[str, Any]:
         return {"role": "prefill", "name": self.transfer.name, "decode_peers": sorted(self.peers),
-                "rooms": len(self.rooms), "page_runs": self.transfer.runs_sent, "control_alive": self.channel.alive(),
-                "control_dropped": self.channel.dropped.count, **self.stats, **self.sends.status()}
+                "rooms": len(self.rooms), "slot_queue": len(self.slot_queue.waiting),
+                "slot_waits": self.slot_queue.waited, "page_runs": self.transfer.runs_sent,
+                "control_alive": self.channel.alive(), "control_dropped": self.channel.dropped.count,
+                **self.stats, **self.sends.status()}
 
     def check_integrity(self) -> None:
-        assert not self.rooms, f"{len(self.rooms)} rooms still open while idle"
+        # The idle self-check's own language (engine/scheduler/cache_manager.py): what it reports
+        # is a bug of this process, never a peer's input.
+        assert not self.rooms and not self.slot_queue.waiting, f"{len(self.rooms)} rooms still open while idle"
         self.sends.check_integrity()
         self.slots.check_integrity(in_use=0)

@@ -75,4 +75,5 @@ class SliceStaging:
         self.cache.free_staging(self.held.pop(key, []))
 
     def check_integrity(self) -> None:
+        # The idle self-check's language (as the engine's pools): only this process's bugs fail it.
         assert not self.held, f"staging pages held while idle: {sorted(self.held)}"

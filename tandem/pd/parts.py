@@ -51,12 +51,18 @@ def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ig
 class Link:
     """This TP rank's side of one handshake: its writes in the plan (as the prefill rank of
     each, or the decode rank), the agents and layouts of the peer ranks it pairs with, by
-    peer TP rank, and what decode stages for head slices (the same on every rank)."""
+    peer TP rank, and what decode stages for head slices (the same on every rank).
+
+    `pages` and `slots` bound what the peer may name (the least over all its ranks, so every
+    rank of this side judges a peer's message alike): a decode's pages lie in 1..pages-1 and
+    its first-token slot below slots; a prefill takes at most `slots` rooms at once."""
 
     writes: tuple[Write, ...]
     agents: dict[int, str] = field(default_factory=dict)
     layouts: dict[int, KVLayout] = field(default_factory=dict)
     staging: Staging = Staging()
+    pages: int = 0
+    slots: int = 0
 
 
 @dataclass
@@ -95,6 +101,8 @@ class TransferParts:
             link = self._plan([KVLayout(**h["layout"]) for h in halves])
         except ValueError as exc:  # the ranks do not split one model's heads between them
             return None, [f"layout: {exc}"]
+        link = dataclasses.replace(link, pages=min(h["layout"]["num_pages"] for h in halves),
+                                   slots=min(h["meta"]["slots"] for h in halves))
         problem = ""
         for r in sorted({w.decode if self.role == PREFILL else w.prefill for w in link.writes}):
             try:

@@ -16,12 +16,15 @@ a read one device-to-host copy.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from tandem.pd.protocol import MetaRegion
 from tandem.protocol.logprobs import floor_logprob
+
+log = logging.getLogger(__name__)
 
 MAX_TOP = 20  # the OpenAI limit on top_logprobs
 WIDTH = 3 + 2 * MAX_TOP
@@ -45,7 +48,11 @@ class FirstTokenSlots:
         return self.free.pop() if self.free else None
 
     def release(self, slot: int) -> None:
-        assert slot not in self.free, f"slot {slot} freed twice"
+        if slot in self.free or not 0 <= slot < self.capacity:
+            # A bug of this process (both roles free only slots they took, once): ignored, the
+            # slot stays free once, and it costs a log line instead of the worker.
+            log.error("first-token slot %d freed twice or never taken", slot)
+            return
         self.free.append(slot)
 
     def write(self, slot: int, token: int, logprob: float | None, top: list[tuple[int, float]]) -> None:
@@ -76,6 +83,7 @@ class FirstTokenSlots:
         return int(row[0]), logprob, [(int(t), floor_logprob(lp)) for t, lp in zip(ids, lps)]
 
     def check_integrity(self, in_use: int = 0) -> None:
+        # The idle self-check's language (as the engine's pools): only this process's bugs fail it.
         assert len(set(self.free)) == len(self.free), "a first-token slot is free twice"
         assert len(self.free) + in_use == self.capacity, (
             f"{self.capacity - len(self.free)} first-token slots in use, {in_use} expected")

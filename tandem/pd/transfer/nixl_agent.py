@@ -96,7 +96,8 @@ class NixlTransfer(KVTransfer):
         return view
 
     def add_peer(self, metadata: bytes, layout: KVLayout, slots: MetaRegion | None = None) -> str:
-        assert self.layout is not None, "register() first"
+        if self.layout is None:
+            raise RuntimeError("register() first")
         problems = self.layout.mismatch(layout)
         if problems:
             raise ValueError("KV layouts differ: " + "; ".join(problems))
@@ -111,7 +112,8 @@ class NixlTransfer(KVTransfer):
     def send(self, peer: str, room: str, src_pages: Sequence[int], dst_pages: Sequence[int],
              notify: bytes, slot: tuple[int, int] | None = None, heads: HeadRange | None = None,
              source: KVLayout | None = None, dest: KVLayout | None = None) -> None:
-        assert self.layout is not None, "register() first"
+        if self.layout is None:
+            raise RuntimeError("register() first")
         if peer not in self.peers:
             raise KeyError(f"unknown peer {peer!r}")
         peer_layout, peer_slots = self.peers[peer]
