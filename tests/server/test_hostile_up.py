@@ -213,7 +213,6 @@ def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(model_path) -> N
                 assert payloads, name
         probe.stop.set()
         probe.join()
-        print("PROBE", unloaded, probe.seen); [print("RES", x) for x in results]
         assert len(probe.seen) >= 3, results
         # Nobody waited: the neighbour's requests kept their unloaded latency (within 2x, plus a
         # scheduling quantum the 2-core CI machine needs when an attack is being refused at the same time).
