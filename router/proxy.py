@@ -211,7 +211,7 @@ class Proxy:
         return release
 
     async def _prefill(self, route: Route, job: Job) -> None:
-        assert route.prefill is not None
+        assert route.prefill is not None  # invariant: called only for a route with a prefill
         p = route.prefill
         r = None
         try:

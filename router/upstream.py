@@ -233,7 +233,7 @@ class Upstream:
     async def _send(self, conn: _Connection, request: bytes) -> UpstreamResponse:
         answer = UpstreamResponse(conn, self.read_timeout)
         conn.answer = answer
-        assert conn.transport is not None
+        assert conn.transport is not None  # invariant: _connect returns a connected transport
         conn.transport.write(request)  # one segment: the worker wakes once
         try:
             while not answer.started:

@@ -47,7 +47,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
              v: torch.Tensor) -> None:
     """k_buffer[loc] = k, v_buffer[loc] = v: contiguous (slots, kv_heads, head_dim) buffers,
     (tokens, kv_heads, head_dim) k/v of their dtype with dense rows, int64 loc on their device."""
-    assert triton is not None, "Triton is not installed"
+    assert triton is not None, "Triton is not installed"  # invariant: chosen only when Triton imports
     tokens = loc.numel()
     if tokens == 0:
         return

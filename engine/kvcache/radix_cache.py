@@ -126,6 +126,7 @@ class RadixCache(PrefixCache):
         through it, so sizes and lock consistency are unchanged."""
         P = self.page_size
         parent = node.parent
+        # invariant: _split is called on a matched edge, inside it, at a page boundary
         assert parent is not None and 0 < n < len(node.key) and n % P == 0
         upper = self._new_node(node.key[:n], node.slots[:n].clone(), parent)
         upper.lock_ref = node.lock_ref
@@ -185,6 +186,7 @@ class RadixCache(PrefixCache):
         prefix = len(req.prefix_indices)
         slots = self._row_slots(req, kv_len)
         cached = self.insert(token_ids[:aligned], slots[:aligned])
+        # invariant: the request's lock keeps its prefix from eviction
         assert prefix <= cached, "the locked prefix must still be cached"
         self.allocator.free(torch.cat([slots[prefix:cached], slots[aligned:]]))
         self.dec_lock_ref(req.last_node)
@@ -198,10 +200,11 @@ class RadixCache(PrefixCache):
         prefix = len(req.prefix_indices)
         slots = self._row_slots(req, aligned)
         cached = self.insert(token_ids[:aligned], slots)
+        # invariant: the request's lock keeps its prefix from eviction
         assert prefix <= cached, "the locked prefix must still be cached"
         self.allocator.free(slots[prefix:cached])
         match = self.match_prefix(token_ids[:aligned])  # nothing evicts in between: a full hit
-        assert match.indices.numel() == aligned
+        assert match.indices.numel() == aligned  # invariant: just inserted, nothing evicts in between
         self.req_to_token_pool.write(req.req_pool_idx, prefix, match.indices[prefix:cached])
         # Lock the new path before unlocking the old so shared ancestors never drop to 0.
         self.inc_lock_ref(match.last_node)
@@ -218,7 +221,7 @@ class RadixCache(PrefixCache):
         while num_freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None
+            assert parent is not None  # invariant: evict pops leaves, never the root
             del parent.children[tuple(leaf.key[: self.page_size])]
             leaf.parent = None  # marks the handle stale for inc_lock_ref
             freed.append(leaf.slots)

@@ -94,6 +94,7 @@ class ReqToTokenPool:
         if self.host.numel() * 4 > max_bytes:
             start, stop = self._next_check_row, min(self._next_check_row + 8, self.size)
             self._next_check_row = stop % self.size
+        # invariant: the idle integrity check's own report
         assert torch.equal(self.host[start:stop], self.req_to_token[start:stop].cpu()), (
             "host mirror differs from req_to_token")
 

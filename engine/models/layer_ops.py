@@ -140,7 +140,7 @@ class TorchLayerOps:
         if q_norm is not None and k_norm is not None:
             q, k = torch_rms_norm(q, q_norm, eps), torch_rms_norm(k, k_norm, eps)
         cos, sin = rope.cos, rope.sin
-        assert sin is not None
+        assert sin is not None  # invariant: RopeBatch always carries sin for this op
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def qk_rope_store(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
@@ -171,7 +171,7 @@ class CpuKernelOps:
 
     def qk_rope(self, qkv: torch.Tensor, rope: RopeBatch, heads: Heads, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert rope.sin is not None
+        assert rope.sin is not None  # invariant: RopeBatch always carries sin for this op
         cpu_kernels.rope_qk(qkv, rope.positions, rope.cos, rope.sin, q_norm, k_norm, heads.q, heads.kv,
                             heads.dim, eps)
         return heads.split(qkv)

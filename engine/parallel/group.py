@@ -70,7 +70,7 @@ class TPGroup:
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (the others pass None): a length, then the bytes."""
         if self.size == 1:
-            assert data is not None
+            assert data is not None  # invariant: a single rank is rank 0, which passes the data
             return data
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         dist.broadcast(n, src=0, group=self.cpu_group)

@@ -46,6 +46,7 @@ def _encode_msg(msg: Any, codec: TickCodec | None) -> Any:
 def _decode_msg(obj: Any, codec: TickCodec | None) -> Any:
     if isinstance(obj, str):
         return decode(obj.encode())
+    # invariant: rank 0 encodes a part's message only with its codec
     assert codec is not None, "a role part's message in a tick without the part's codec"
     return codec.decode(obj["part"])
 

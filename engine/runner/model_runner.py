@@ -124,7 +124,7 @@ class ModelRunner:
         self.future_map = FutureMap(config.max_running_requests, self.device)
         self.graph_runner = None
         if self.plans_cuda_graphs():  # decided once: the pool was sized around the graphs
-            assert self.attn_backend.supports_cuda_graph
+            assert self.attn_backend.supports_cuda_graph  # invariant: plans_cuda_graphs() asked the backend
             from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, config.graph_max_bs)

@@ -28,7 +28,7 @@ class Seq:
     slots: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        assert len(self.tokens) == len(self.slots)
+        assert len(self.tokens) == len(self.slots)  # invariant: built by the static generator, one slot per token
 
 
 class StaticBatch:

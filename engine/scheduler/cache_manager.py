@@ -99,7 +99,7 @@ class CacheManager:
         last = self.req_to_token[rows, cols].tolist()
         self._ensure_free(sum(self.allocator.pages_needed(p, e) for p, e in zip(prefix, extend)))
         slots = self.allocator.alloc_extend(prefix, extend, last)
-        assert slots is not None
+        assert slots is not None  # invariant: _ensure_free made room or raised
         start = 0
         try:
             for r, p, e in zip(reqs, prefix, extend):

@@ -47,7 +47,7 @@ def event_loop_normal(s: Scheduler) -> None:
         s.last_batch = batch
 
 def event_loop_overlap(s: Scheduler) -> None:
-    assert s.overlap is not None
+    assert s.overlap is not None  # invariant: the overlap loop runs only with its state built
     in_flight = s.in_flight
 
     def pop_and_process() -> None:

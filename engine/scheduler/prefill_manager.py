@@ -84,7 +84,7 @@ class PrefillManager:
             if result != AddReqResult.CONTINUE:
                 break
         if adder.new_chunked_req is not None:
-            assert self.chunked_req is None
+            assert self.chunked_req is None  # invariant: a batch carries one chunked request (prefill_adder)
             self.chunked_req = adder.new_chunked_req
         if self.chunked_req is not None and self.chunked_req in adder.can_run_list:
             self.chunked_req.is_chunked += 1

@@ -77,6 +77,7 @@ class ScheduleBatch:
     @traced
     def prepare_for_decode(self, cache: CacheManager) -> None:
         self.mode = ForwardMode.DECODE
+        # invariant: set by the step that ran this batch
         assert self.output_ids is not None and len(self.output_ids) == len(self.reqs)
         self.prefix_lens = [r.kv_committed_len for r in self.reqs]
         self.extend_lens = [1] * len(self.reqs)
@@ -108,7 +109,7 @@ class ScheduleBatch:
             self.reqs, self.output_ids = list(other.reqs), other.output_ids
             return
         self.reqs = self.reqs + other.reqs
-        assert self.output_ids is not None and other.output_ids is not None
+        assert self.output_ids is not None and other.output_ids is not None  # invariant: both batches have run a step
         self.output_ids = np.concatenate([self.output_ids, other.output_ids])
 
     def snapshot(self) -> ScheduleBatch:

@@ -121,7 +121,7 @@ class CacheAware(Policy):
         return cls(threshold=threshold, balance=balance, seed=seed)
 
     def pick(self, workers: Sequence[Worker], ids: Sequence[int]) -> tuple[Worker, int]:
-        assert workers, "no eligible worker"
+        assert workers, "no eligible worker"  # invariant: Proxy._route picks only from a non-empty pool
         names = block_names(ids, self.index.block)
         w = self._cache_aware(workers, names, len(ids))
         matched = self.index.match(w.url, names) * self.index.block if names else 0

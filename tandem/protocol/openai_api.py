@@ -261,5 +261,5 @@ class GenerateRequest(Bootstrap):
     def prompts(self) -> list[str | list[int]]:
         if self.text is not None:
             return list(self.text) if isinstance(self.text, list) else [self.text]
-        assert self.input_ids is not None
+        assert self.input_ids is not None  # invariant: the model's validator requires text or input_ids
         return list(self.input_ids) if self.is_batch else [self.input_ids]  # type: ignore[list-item]

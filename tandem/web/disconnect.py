@@ -21,7 +21,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     The work runs in the caller's task and a watcher cancels that task: one task per request
     instead of two plus an asyncio.wait, a loop turn less on every proxied request."""
     current = asyncio.current_task()
-    assert current is not None
+    assert current is not None  # invariant: always awaited inside a task
     gone = False
 
     async def watch() -> None:
