@@ -85,4 +85,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (EOFError, BrokenPipeError):
+        pass  # the parent went away

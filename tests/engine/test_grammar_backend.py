@@ -77,6 +77,19 @@ def test_a_token_the_grammar_refuses_leaves_the_matcher_unchanged(backend: Gramm
     assert all(m.accept(t) for t in _ids(tokenizer, "abc"))
 
 
+def test_a_grammar_crosses_to_another_process_and_back(backend: GrammarBackend, tokenizer: Any) -> None:
+    """The compile process builds its backend from spec() and hands back serialize()'s text."""
+    from tandem.engine.grammar.registry import create_from_spec
+
+    name = next(n for n in BACKENDS if isinstance(backend, type(create_backend(n, tokenizer, VOCAB, []))))
+    child = create_from_spec(name, backend.spec())
+    compiled = child.compile("regex", "(yes|no)-[0-9]{2}")
+    assert child.size_bytes(compiled) > 0
+    m = backend.matcher(backend.deserialize(child.serialize(compiled)))
+    assert all(m.accept(t) for t in _ids(tokenizer, "no-42"))
+    assert _allowed(backend, m).tolist() == [tokenizer.eos_token_id]
+
+
 @pytest.mark.parametrize("kind,text", [
     ("json_schema", "{not json"), ("json_schema", '{"type": "nope"}'), ("regex", "a("),
     ("ebnf", "root ::= "), ("structural_tag", "[]"), ("sql", "select")])

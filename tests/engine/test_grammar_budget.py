@@ -9,6 +9,7 @@ scheduler thread, for every request of the batch, with no budget at all.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,6 +114,8 @@ def test_a_pathological_grammar_ends_its_request_alone(model_path: Any, overlap:
         assert free["finish_reason"] == "length"
         assert eng.status()[0].info["grammar"]["grammar_over_budget"] == 1
         assert_whole(eng)
+        pids = eng.scheduler.grammar.queue.pool.pids()
+    assert pids and not [p for p in pids if Path(f"/proc/{p}").exists()]  # shutdown ends the compile processes
 
 
 def test_rank_zeros_verdicts_for_requests_that_left_in_the_same_tick_are_dropped() -> None:
