@@ -78,10 +78,19 @@ class EngineConfig:
     pd_local_prefill_threshold: int = 32  # decode prefills itself at most this many uncached tokens
     disable_pd_decode_prefix_reuse: bool = False
     # Structured output (engine/grammar/): the library that compiles constraints, how long a
-    # request may wait for its grammar, and how many compiled grammars are kept.
+    # request may wait for its grammar (and a compile may run before its process is killed),
+    # how many compiled grammars are kept, and what one request's grammar may cost.
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout: float = 60.0
     grammar_cache_size: int = 256
+    grammar_cache_bytes: int = 256 * 2**20  # all compiled grammars kept, by their memory
+    grammar_max_bytes: int = 16 * 2**20  # one grammar: larger is refused (a 400)
+    grammar_compile_workers: int = 2  # compile processes, started when first needed
+    grammar_compile_queue: int = 16  # compiles waiting for a process; past it a request gets a 429
+    # A request's matcher may take this many seconds of CPU per token, on average over its
+    # last grammar_matcher_window tokens (engine/grammar/matcher_budget.py); past it, a 400.
+    grammar_matcher_budget: float = 0.02
+    grammar_matcher_window: int = 32
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
@@ -111,6 +120,12 @@ class EngineConfig:
             raise ValueError(f"grammar_backend must be one of {sorted(BACKENDS)}")
         if not self.grammar_compile_timeout > 0 or self.grammar_cache_size < 1:
             raise ValueError("grammar_compile_timeout must be > 0 and grammar_cache_size >= 1")
+        if not 1 <= self.grammar_max_bytes <= self.grammar_cache_bytes:
+            raise ValueError("grammar_max_bytes must be >= 1 and at most grammar_cache_bytes")
+        if self.grammar_compile_workers < 1 or self.grammar_compile_queue < 0:
+            raise ValueError("grammar_compile_workers must be >= 1 and grammar_compile_queue >= 0")
+        if not self.grammar_matcher_budget > 0 or self.grammar_matcher_window < 1:
+            raise ValueError("grammar_matcher_budget must be > 0 and grammar_matcher_window >= 1")
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
 

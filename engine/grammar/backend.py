@@ -1,10 +1,13 @@
 """The grammar-backend seam: what the scheduler and the sampler need of a structured-output
 library, so a second one (llguidance) is one more file and one entry in registry.py.
 
-A backend compiles a constraint once (the compile is the slow part, and it runs off the
-scheduler thread); each request then gets its own cheap matcher over the compiled grammar.
-The matcher is advanced with every token the request keeps, and fills that request's row of
-a batch's vocabulary mask before the next token is sampled.
+A backend compiles a constraint once (the compile is the slow part, and it runs in a child
+process that can be killed: compile_pool.py); each request then gets its own cheap matcher
+over the compiled grammar. The matcher is advanced with every token the request keeps, and
+fills that request's row of a batch's vocabulary mask before the next token is sampled.
+
+The child rebuilds a compile-only backend from `spec()` (registry.create_from_spec), and
+hands each compiled grammar back as `serialize()`'s text, which `deserialize()` reads here.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ if TYPE_CHECKING:
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled: the request fails with this message (a 400)."""
+
+    status = 400
 
 
 class Matcher(Protocol):
@@ -42,6 +47,21 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: Any) -> Matcher: ...
+
+    @abstractmethod
+    def spec(self) -> str:
+        """What a child process needs to build this backend for compiling (registry.py)."""
+
+    @abstractmethod
+    def serialize(self, compiled: Any) -> str: ...
+
+    @abstractmethod
+    def deserialize(self, data: str) -> Any:
+        """What serialize gave, as a compiled grammar of this backend's vocabulary."""
+
+    @abstractmethod
+    def size_bytes(self, compiled: Any) -> int:
+        """The memory a compiled grammar holds: the cache is bounded by it."""
 
     @abstractmethod
     def allocate_mask(self, rows: int) -> torch.Tensor:

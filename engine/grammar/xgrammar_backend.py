@@ -42,11 +42,20 @@ MAX_NESTING = 128
 
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        self._init(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(stop_ids) or None))
+
+    @classmethod
+    def from_spec(cls, spec: str) -> XGrammarBackend:
+        """The compile process's backend: the vocabulary comes as spec() wrote it."""
+        backend = cls.__new__(cls)
+        backend._init(xgr.TokenizerInfo.deserialize_json(spec))
+        return backend
+
+    def _init(self, info: xgr.TokenizerInfo) -> None:
         xgr.set_max_recursion_depth(MAX_NESTING)  # process-wide; every compile is bounded by it
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_ids) or None)
-        self.vocab_size = vocab_size
-        # Our own cache (grammar_queue.py) keys on the constraint text; xgrammar's would
+        self.info, self.vocab_size = info, info.vocab_size
+        # Our own cache (grammar_cache.py) keys on the constraint text; xgrammar's would
         # hold a second copy of every compiled grammar.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
@@ -67,6 +76,18 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
         return XGrammarMatcher(compiled)
+
+    def spec(self) -> str:
+        return self.info.serialize_json()
+
+    def serialize(self, compiled: xgr.CompiledGrammar) -> str:
+        return compiled.serialize_json()
+
+    def deserialize(self, data: str) -> xgr.CompiledGrammar:
+        return xgr.CompiledGrammar.deserialize_json(data, self.info)
+
+    def size_bytes(self, compiled: xgr.CompiledGrammar) -> int:
+        return int(compiled.memory_size_bytes)
 
     def allocate_mask(self, rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(rows, self.vocab_size)

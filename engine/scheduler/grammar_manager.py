@@ -1,11 +1,13 @@
 """The scheduler's grammar manager: constrained requests wait for their grammar here before
-they join the queues, and a batch with constrained rows gets its vocabulary mask here.
+they join the queues, a batch with constrained rows gets its vocabulary mask here, and a
+request whose grammar costs too much to follow is ended here.
 
     add_request -> constraint? -- compiled already --> matcher attached, admitted now
                               \\-- not yet --> grammar queue -- poll() --> admitted (or failed, 400)
 
-The queue and the compile thread are engine/grammar/grammar_queue.py; the mask handoff
-to the forward thread is engine/grammar/batch_mask.py.
+The queue and the compile processes are engine/grammar/grammar_queue.py; the mask handoff
+to the forward thread is engine/grammar/batch_mask.py; the per-request matcher budget is
+engine/grammar/matcher_budget.py.
 """
 
 from __future__ import annotations
@@ -14,26 +16,38 @@ from collections.abc import Callable
 from typing import Any
 
 from tandem.engine.engine_config import EngineConfig
+from tandem.engine.grammar.backend import Matcher
 from tandem.engine.grammar.batch_mask import BatchMask
-from tandem.engine.grammar.grammar_queue import GrammarQueue
+from tandem.engine.grammar.compile_pool import PoolLimits
+from tandem.engine.grammar.grammar_queue import GrammarQueue, Verdict
+from tandem.engine.grammar.matcher_budget import MeteredMatcher
 from tandem.engine.scheduler.req import Req, finish_abort
 from tandem.engine.worker_batch import ModelWorkerBatch
 from tandem.protocol.messages import GenerateReq
 
 Admit = Callable[[Req, GenerateReq], None]
+BudgetVerdict = tuple[str, str]  # (rid, why its grammar costs too much)
 
 
 class GrammarManager:
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any], vocab_size: int,
                  eos_ids: tuple[int, ...], admit: Admit, fail: Callable[[Req], None]) -> None:
-        self.queue = GrammarQueue(config.grammar_backend, tokenizer, vocab_size, eos_ids,
-                                  config.grammar_compile_timeout, config.grammar_cache_size)
-        self.admit, self.fail = admit, fail
+        self.budget, self.window = config.grammar_matcher_budget, config.grammar_matcher_window
         # Tensor parallelism: rank 0's verdicts of this iteration (tick.py) replace this
         # process's own polling, and nothing is admitted early from the cache, so that every
-        # rank admits a constrained request in the same iteration.
+        # rank admits a constrained request in the same iteration. The CPU time a matcher
+        # takes differs between ranks too: rank 0's meter decides which requests end.
         self.follow = config.tp_size > 1
-        self.verdicts: list[tuple[str, str | None]] = []
+        limits = PoolLimits(workers=config.grammar_compile_workers, max_pending=config.grammar_compile_queue,
+                            max_bytes=config.grammar_max_bytes, probe_limit=self.budget * self.window)
+        self.queue = GrammarQueue(config.grammar_backend, tokenizer, vocab_size, eos_ids,
+                                  config.grammar_compile_timeout, config.grammar_cache_size,
+                                  config.grammar_cache_bytes, limits, follow=self.follow)
+        self.admit, self.fail = admit, fail
+        self.verdicts: list[Verdict] = []
+        self.budget_verdicts: list[BudgetVerdict] = []
+        self.metered: dict[str, Req] = {}  # admitted constrained requests
+        self.over_budget = 0
 
     @property
     def waiting(self) -> bool:
@@ -43,25 +57,35 @@ class GrammarManager:
         """Admit `req` now, or once its grammar is compiled."""
         constraint = req.sampling_params.constraint
         if constraint is not None:
-            req.grammar = None if self.follow else self.queue.matcher_now(constraint)
-            if req.grammar is None:
+            matcher = None if self.follow else self.queue.matcher_now(constraint)
+            if matcher is None:
                 self.queue.add(req.rid, constraint, (req, msg))
                 return
+            self._attach(req, matcher)
         self.admit(req, msg)
 
+    def decide(self) -> tuple[list[Verdict], list[BudgetVerdict]]:
+        """Rank 0: which grammars are compiled (or failed), and which requests went over their
+        matcher budget (tick.py hands both to every rank)."""
+        return self.queue.decide(), self._over_budget()
+
     def poll(self) -> None:
-        """Admit the requests whose grammar is ready; a failed compile fails its request alone."""
+        """Admit the requests whose grammar is ready (a failed compile fails its request alone),
+        and end those whose grammar went over budget. Runs after the iteration's messages, on
+        every rank alike."""
         if self.follow:
-            ready, failed = self.queue.settle(self.verdicts)
-            self.verdicts = []
+            verdicts, budget = self.verdicts, self.budget_verdicts
+            self.verdicts, self.budget_verdicts = [], []
         else:
-            ready, failed = self.queue.poll()
+            verdicts, budget = self.decide()
+        ready, failed = self.queue.settle(verdicts) if verdicts else ([], [])
         for (req, msg), matcher in ready:
-            req.grammar = matcher
+            self._attach(req, matcher)
             self.admit(req, msg)
-        for (req, _), why in failed:
-            req.finished_reason = finish_abort(why)
+        for (req, _), why, status in failed:
+            req.finished_reason = finish_abort(why, status=status)
             self.fail(req)
+        self._enforce(budget)
 
     def abort(self, rid: str) -> Req | None:
         item = self.queue.abort(rid)
@@ -78,10 +102,38 @@ class GrammarManager:
         return mwb.grammar
 
     def status(self) -> dict[str, int]:
-        return self.queue.status()
+        return {**self.queue.status(), "grammar_over_budget": self.over_budget}
 
     def shutdown(self) -> None:
         self.queue.shutdown()
+
+    # ---- the matcher budget -------------------------------------------------------------------
+    def _attach(self, req: Req, matcher: Matcher) -> None:
+        req.grammar = MeteredMatcher(matcher, self.budget, self.window)
+        self.metered[req.rid] = req
+
+    def _over_budget(self) -> list[BudgetVerdict]:
+        out: list[BudgetVerdict] = []
+        for rid, req in self.metered.items():
+            why = None if req.finished() or req.to_finish is not None else req.grammar.over_budget()
+            if why is not None:
+                out.append((rid, why))
+        return out
+
+    def _enforce(self, verdicts: list[BudgetVerdict]) -> None:
+        """End each request named, the way an abort ends a running one: at its next result,
+        which frees its pages. A request already ending (aborted in this same tick) is left
+        to that; its matcher does no more work either way."""
+        for rid, why in verdicts:
+            req = self.metered.get(rid)
+            if req is None or req.finished():
+                continue
+            req.grammar.halted = True
+            if req.to_finish is None:
+                req.to_finish = finish_abort(why)
+                self.over_budget += 1
+        if self.metered:
+            self.metered = {rid: r for rid, r in self.metered.items() if not r.finished()}
 
 
 def fill_or_fail(mask: BatchMask) -> None:

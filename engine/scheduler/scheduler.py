@@ -127,8 +127,8 @@ class Scheduler:
             self.now = time.monotonic()
             return msgs or []
         codec = self.part.tick_codec if self.part is not None else None
-        tick = exchange(self.tp, msgs, self.grammar.queue.decide() if self.tp.leader else None, codec)
-        self.now, self.grammar.verdicts = tick.now, tick.grammar
+        tick = exchange(self.tp, msgs, self.grammar.decide() if self.tp.leader else None, codec)
+        self.now, self.grammar.verdicts, self.grammar.budget_verdicts = tick.now, tick.grammar, tick.over_budget
         return tick.msgs
 
     def _drain_inbox(self, block: bool) -> list[Any]:
@@ -151,8 +151,7 @@ class Scheduler:
                     self.output.emit([result])
             else:
                 dispatch(msg, self.request_handlers)
-        if self.grammar.waiting:
-            self.grammar.poll()
+        self.grammar.poll()  # after the messages: an abort among them wins over a verdict
         if self.part is not None:
             self.part.poll()
 

@@ -196,7 +196,7 @@ def test_tp2_constrained_decoding_and_aborts(engine, model_path) -> None:
 # ---- the pieces that keep ranks in step ---------------------------------------------------------------
 def test_a_tick_round_trips_and_carries_no_pickle() -> None:
     tick = Tick(12.5, [GenerateReq("a", [1, 2], {"max_new_tokens": 3}), AbortReq("b"), ShutdownReq()],
-                [("c", None), ("d", "too slow")])
+                [("c", None, 0), ("d", "too slow", 400)], [("e", "too costly")])
     back = Tick.decode(tick.encode())
     assert back == tick
     with pytest.raises(ValueError, match="tick version"):
