@@ -56,5 +56,5 @@ class BatchMask:
         self._done.wait()
         if self._error is not None:
             raise RuntimeError(f"the batch's grammar mask failed: {self._error}") from self._error
-        assert self._mask is not None
+        assert self._mask is not None  # invariant: fill() sets the mask before it sets _done
         self.backend.apply_mask(logits, self._mask)

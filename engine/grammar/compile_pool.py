@@ -50,7 +50,7 @@ class PoolLimits:
     max_pending: int | None = 16  # jobs waiting for a child; None: unbounded (a TP follower)
     timeout: float | None = 60.0  # seconds of a child's time per job; None: until cancelled
     max_bytes: int = 16 * 2**20  # a grammar's memory and its serialized text, each
-    probe_limit: float = 0.64  # CPU seconds its first vocabulary mask may take
+    probe_limit: float = 0.16  # CPU seconds its first vocabulary mask may take
 
 
 @dataclass

@@ -71,12 +71,14 @@ def open_choices(front: Front, tokens: Tokens, jobs: list[tuple[list[int], dict[
     return choices
 
 
-def _refusal(front: Front, choice: Choice, out: ReqOutput) -> ApiError | None:
+def _refusal(front: Front, choice: Choice, out: ReqOutput, whole: bool = False) -> ApiError | None:
     """Refused by the scheduler before its first token (a constraint that does not compile, ...):
-    an error, not an empty answer. One aborted on purpose, by /abort_request or a drain,
+    an error, not an empty answer. So is a `whole` (non-streamed) answer the scheduler failed
+    after some tokens (a grammar over its budget, a timeout, an engine fault): a partial answer
+    cut by an error is not an answer. One aborted on purpose, by /abort_request or a drain,
     answers finish_reason abort."""
     reason = out.finish_reason or {}
-    if (out.finished and reason.get("kind") == "abort" and out.completion_tokens == 0
+    if (out.finished and reason.get("kind") == "abort" and (whole or out.completion_tokens == 0)
             and not choice.stream.aborted and reason.get("status", 400) >= 400):
         status = 503 if front.draining else reason.get("status", 400)
         return ApiError(status, reason.get("message") or "request aborted")
@@ -153,6 +155,9 @@ async def collect(front: Front, choices: list[Choice]) -> list[list[Delta]]:
     per: list[list[Delta]] = [[] for _ in choices]
     async for d in merged(front, choices):
         per[d.index].append(d)
+        failed = _refusal(front, choices[d.index], d.out, whole=True)
+        if failed is not None:
+            raise failed
     return per
 
 

@@ -160,8 +160,7 @@ STRUCTURED_ATTACKS = [
      {"text": "x", "stream": True, "return_logprob": True, "top_logprobs_num": 5,
       "sampling_params": {"max_new_tokens": 3, "temperature": 0, "regex": "[ab]+"}}, "finite"),
     ("an ambiguous never-ending grammar", "/v1/completions",
-     {**CMPL, "max_tokens": 200, "ignore_eos": True, "ebnf": 'root ::= (x | "x" | "xx")*\nx ::= "x" | "xx" | x x'},
-     None),
+     {**CMPL, "max_tokens": 200, "ebnf": 'root ::= ((((("x" | "xx")*)*)*)*)* [^\\x00-\\U0010FFFF]'}, None),
     ("a schema that compiles slowly", "/v1/chat/completions",
      {**CHAT, "response_format": _schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
                                                                           for i in range(1000)}})}, None),
