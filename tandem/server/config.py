@@ -108,9 +108,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(model: str) -> str:
+    from tandem.engine.modelgen.gguf_import import GGUFError
+    from tandem.engine.modelgen.named_models import ModelFetchError
     from tandem.engine.modelgen.resolve import resolve_model as build_or_find
 
-    return str(build_or_find(model))
+    try:
+        return str(build_or_find(model))
+    except (GGUFError, ModelFetchError) as exc:  # a file or download that is not a model: one line, no traceback
+        raise SystemExit(f"tandem serve: --model {model}: {exc}") from None
 
 
 def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
