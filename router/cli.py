@@ -16,7 +16,13 @@ from tandem.router.config import RouterConfig
 from tandem.router.discovery import role_selectors
 from tandem.router.policies import POLICIES
 from tandem.web.coalesced_http import DEFAULT_STALL_TIMEOUT
-from tandem.worker_contract import ENV_ADMIN_KEY, ENV_API_KEY, ENV_WORKER_API_KEY, ROUTER_ADMIN_PORT
+from tandem.worker_contract import (
+    ENV_ADMIN_KEY,
+    ENV_API_KEY,
+    ENV_WORKER_API_KEY,
+    ROUTER_ADMIN_PORT_OFFSET,
+    router_admin_port,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-key", default=None,
                    help=f"the key for the admin routes on --port (or set ${ENV_ADMIN_KEY}); without it they are "
                         "served on the admin listener only")
-    p.add_argument("--admin-port", type=int, default=ROUTER_ADMIN_PORT,
-                   help="the admin listener (drain, POST/DELETE /workers) on 127.0.0.1; 0: none")
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="the admin listener (drain, POST/DELETE /workers) on 127.0.0.1 "
+                        f"(default --port + {ROUTER_ADMIN_PORT_OFFSET}); 0: none")
     p.add_argument("--worker-api-key", default=None,
                    help=f"the workers' --api-key, sent to them as a bearer key (or set ${ENV_WORKER_API_KEY})")
     p.add_argument("--worker-url-allow", nargs="*", default=[],
@@ -108,7 +115,8 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         max_inflight=args.max_inflight, max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         rate_limit=args.rate_limit, capacity_wait=args.capacity_wait, max_capacity_waiters=args.max_capacity_waiters,
         health_interval=args.health_interval, api_key=_env(args.api_key, ENV_API_KEY),
-        admin_key=_env(args.admin_key, ENV_ADMIN_KEY), admin_port=args.admin_port,
+        admin_key=_env(args.admin_key, ENV_ADMIN_KEY),
+        admin_port=router_admin_port(args.port) if args.admin_port is None else args.admin_port,
         worker_api_key=_env(args.worker_api_key, ENV_WORKER_API_KEY), worker_url_allow=tuple(args.worker_url_allow),
         stream_send_timeout=args.stream_send_timeout, max_requests_per_client=args.max_requests_per_client, **kw)
 

@@ -32,12 +32,38 @@ import yaml
 
 # ---- ports and their names (the Service and NetworkPolicy refer to them by name) ----
 HTTP_PORT = 8000
-BOOTSTRAP_PORT = 8998
 HTTP_PORT_NAME, BOOTSTRAP_PORT_NAME = "http", "bootstrap"
-# The admin listener (drain, flush, abort, the router's worker API) of a worker and of the router:
-# bound to 127.0.0.1 only, so no containerPort and no Service port; the preStop hook calls it.
-# Two defaults, so that a worker and a router started by hand on one host do not collide.
-ADMIN_PORT, ROUTER_ADMIN_PORT = 8001, 8002
+# A process's other ports default to fixed offsets from its serving port (--port), so that
+# processes started by hand on one host with their own --port never collide on a default:
+# a worker's admin listener is --port + 1 and a prefill worker's bootstrap --port + 998, the
+# router's admin listener --port + 2. The admin listener (drain, flush, abort, the router's
+# worker API) binds 127.0.0.1 only, so no containerPort and no Service port; the preStop hook calls it.
+ADMIN_PORT_OFFSET, ROUTER_ADMIN_PORT_OFFSET, BOOTSTRAP_PORT_OFFSET = 1, 2, 998
+
+
+def _offset_port(port: int, offset: int, fallback: int | None = None) -> int:
+    """`port` + `offset`; `fallback` (else the offset from HTTP_PORT) where that is no port:
+    --port 0 (any free port) or too close to 65535."""
+    if 0 < port and port + offset <= 65535:
+        return port + offset
+    return HTTP_PORT + offset if fallback is None else fallback
+
+
+def worker_admin_port(port: int) -> int:
+    return _offset_port(port, ADMIN_PORT_OFFSET)
+
+
+def router_admin_port(port: int) -> int:
+    return _offset_port(port, ROUTER_ADMIN_PORT_OFFSET)
+
+
+def bootstrap_port_for(port: int) -> int:
+    return _offset_port(port, BOOTSTRAP_PORT_OFFSET)
+
+
+# A worker's and a router's on HTTP_PORT, as in every pod: 8001, 8002 and 8998.
+ADMIN_PORT, ROUTER_ADMIN_PORT = worker_admin_port(HTTP_PORT), router_admin_port(HTTP_PORT)
+BOOTSTRAP_PORT = bootstrap_port_for(HTTP_PORT)
 KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
 
 # ---- labels ----
@@ -169,7 +195,7 @@ class WorkerArgs:
     bootstrap_port: int = BOOTSTRAP_PORT
     config: str | None = ENGINE_CONFIG_PATH
     extra: tuple[str, ...] = ()  # engine flags under SGLang's names, passed through
-    admin_port: int | None = None  # None: the server's default, ADMIN_PORT (`tandem up` gives each its own)
+    admin_port: int | None = None  # None: the server's default, worker_admin_port(port)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
@@ -214,7 +240,7 @@ class RouterArgs:
     prefill: tuple[tuple[str, int], ...] = ()
     decode: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
-    admin_port: int | None = None  # None: the router's default, ROUTER_ADMIN_PORT
+    admin_port: int | None = None  # None: the router's default, router_admin_port(port)
 
     def __post_init__(self) -> None:
         if bool(self.prefill) != bool(self.decode):
@@ -252,14 +278,25 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=HTTP_PORT)
-    p.add_argument("--bootstrap-port", type=int, default=BOOTSTRAP_PORT)
+    p.add_argument("--bootstrap-port", type=int, default=None,
+                   help=f"prefill: the KV bootstrap (control) port (default --port + {BOOTSTRAP_PORT_OFFSET})")
     p.add_argument("--admin-port", type=int, default=None,
-                   help=f"the admin listener's port on 127.0.0.1 (default {ADMIN_PORT}; 0: none)")
+                   help=f"the admin listener's port on 127.0.0.1 (default --port + {ADMIN_PORT_OFFSET}; 0: none)")
     p.add_argument("--config", default=None, help="engine YAML (the operator mounts it at " + ENGINE_CONFIG_PATH + ")")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's tool-call format (default: read off its chat template, else hermes)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split <think>...</think> into message.reasoning_content")
+
+
+def bootstrap_port(ns: argparse.Namespace) -> int:
+    """--bootstrap-port as given, else derived from --port."""
+    return bootstrap_port_for(ns.port) if ns.bootstrap_port is None else ns.bootstrap_port
+
+
+def admin_port(ns: argparse.Namespace) -> int:
+    """--admin-port as given, else derived from --port."""
+    return worker_admin_port(ns.port) if ns.admin_port is None else ns.admin_port
 
 
 def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
@@ -268,7 +305,7 @@ def parse_worker_argv(argv: Sequence[str]) -> WorkerArgs:
     add_worker_arguments(p)
     ns, extra = p.parse_known_args(list(argv))
     return WorkerArgs(role=ns.role, model=ns.model, served_model_name=ns.served_model_name or ns.model,
-                      host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port, config=ns.config,
+                      host=ns.host, port=ns.port, bootstrap_port=bootstrap_port(ns), config=ns.config,
                       extra=tuple(extra), admin_port=ns.admin_port, tool_call_parser=ns.tool_call_parser,
                       reasoning_parser=ns.reasoning_parser)
 

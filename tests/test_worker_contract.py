@@ -113,3 +113,31 @@ def test_operator_yaml_is_plain_yaml() -> None:
     configmap = next(c for (kind, _), c in kids.items() if kind == "ConfigMap")
     for text in configmap["data"].values():
         assert yaml.safe_load(text) == yaml.safe_load(contract.EngineYaml.parse(text).render())
+
+
+def test_default_ports_follow_the_serving_port() -> None:
+    """Two processes started by hand on one host with their own --port share no default port
+    (the README's by-hand PD stack: prefill 8100, decode 8200, router 8000); pods keep 8001/8002/8998."""
+    import argparse
+
+    from tandem.router import cli as router_cli
+
+    def worker(*argv: str) -> tuple[int, int]:
+        p = argparse.ArgumentParser()
+        contract.add_worker_arguments(p)
+        ns = p.parse_args(["--model", "tiny", *argv])
+        return contract.admin_port(ns), contract.bootstrap_port(ns)
+
+    def router(*argv: str) -> int:
+        p = argparse.ArgumentParser()
+        router_cli.register(p.add_subparsers())
+        return router_cli._config(p.parse_args(["router", *argv])).admin_port
+
+    assert worker() == (contract.ADMIN_PORT, contract.BOOTSTRAP_PORT) == (8001, 8998)
+    assert router() == contract.ROUTER_ADMIN_PORT == 8002
+    prefill, decode, front = worker("--port", "8100"), worker("--port", "8200"), router("--port", "8000")
+    taken = [8100, *prefill, 8200, *decode[:1], 8000, front]
+    assert len(set(taken)) == len(taken), taken
+    assert worker("--port", "8100", "--admin-port", "0", "--bootstrap-port", "8998") == (0, 8998)
+    assert worker("--port", "0") == (8001, 8998) and worker("--port", "65535") == (8001, 8998)
+    assert router("--port", "9000", "--admin-port", "9100") == 9100

@@ -41,9 +41,12 @@ def _import(args: argparse.Namespace) -> int:
         return 2
     try:
         print(import_gguf(args.file, home=tandem_home()))
-    except GGUFError as exc:
+    except GGUFError as exc:  # the file: malformed, or not a model we convert
         print(f"tandem model import: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # this machine: unreadable file, full disk, cache not writable
+        print(f"tandem model import: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

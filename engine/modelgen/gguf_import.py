@@ -12,6 +12,13 @@ becomes the config and the tokenizer (chat template included), and quantized ten
 every dequantized value exactly, and cast to the serving dtype (`--dtype`) when a worker loads
 them; a quantized file therefore serves at full width, with its quantization's accuracy but
 not its memory saving.
+
+A file is distrusted until checked (gguf_header.py): its header is read within bounds, its
+layer count and dimensions checked, and every tensor's shape compared with the shape the
+metadata implies, all before the first tensor is dequantized; then tensors are converted and
+written one at a time (safetensors_stream.py). Whatever goes wrong with the file is a
+GGUFError, one line; a run killed halfway leaves a temp directory that the next import
+removes (any whose lock no process holds).
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.modelgen import gguf_header
+from tandem.engine.modelgen.gguf_header import GGUFError
 from tandem.engine.modelgen.model_spec import ARCHITECTURES
+from tandem.engine.modelgen.safetensors_stream import write_float32
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +50,7 @@ PROVENANCE = "tandem_import.json"
 # GGUF metadata keys whose ids end a turn besides the tokenizer's EOS (Llama 3's <|eot_id|>, ...).
 _EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
-
-class GGUFError(ValueError):
-    """The file is not a GGUF checkpoint this importer can read."""
+__all__ = ["GGUFError", "import_gguf", "read_header"]
 
 
 def file_sha256(path: Path) -> str:
@@ -83,20 +91,55 @@ def import_gguf(gguf: Path, *, home: Path, digest: str | None = None) -> Path:
     if (done := _imported_copy(target, digest)) is not None:
         return done
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.with_name(f".{target.name}.lock")):
+    remove_stale_temp_dirs(target.parent)
+    with _locked(_lock_path(target)):
         if is_imported(target):  # another process converted it while we waited
             return target
         if target.exists():  # a leftover without provenance is not ours to trust
             shutil.rmtree(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{_TMP}", dir=target.parent))
         try:
             tmp.chmod(0o755)
             with _parsed_once():
                 _convert(gguf, digest, tmp)
             os.rename(tmp, target)
+        except (GGUFError, OSError):
+            raise
+        except Exception as exc:  # transformers and gguf raise anything on a file they cannot make sense of
+            raise GGUFError(f"{gguf.name} cannot be converted ({type(exc).__name__}: {str(exc)[:300]})") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_TMP = ".tmp-"
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def remove_stale_temp_dirs(models: Path) -> list[Path]:
+    """Remove the temp directories of conversions that were killed: a conversion holds its
+    target's lock until its temp directory is renamed or removed, so one whose lock can be
+    taken now belongs to no live process, on this host or any other sharing the cache."""
+    removed = []
+    for tmp in sorted(models.glob(f".*-gguf*{_TMP}*")):
+        target = models / tmp.name[1:].split(_TMP, 1)[0]
+        with open(_lock_path(target), "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a conversion of that file is running
+                continue
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    removed.append(tmp)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    if removed:
+        log.info("removed %d temp dir(s) of killed GGUF imports: %s", len(removed), ", ".join(p.name for p in removed))
+    return removed
 
 
 def _imported_copy(target: Path, digest: str) -> Path | None:
@@ -144,62 +187,81 @@ def _parsed_once() -> Iterator[None]:
 
 
 def read_header(gguf: Path) -> tuple[dict[str, Any], Counter[str]]:
-    """The scalar metadata and the count of tensors per storage type; GGUFError if unreadable."""
-    import gguf as gguf_lib
-
-    try:
-        reader = gguf_lib.GGUFReader(str(gguf))
-        meta = {k: f.contents() for k, f in reader.fields.items() if len(f.data) <= 1}
-        types = Counter(t.tensor_type.name for t in reader.tensors)
-    except Exception as exc:  # the reader raises anything from ValueError to struct.error on a bad file
-        raise GGUFError(f"{gguf.name} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"{gguf.name}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    return meta, types
+    """The scalar metadata and the count of tensors per storage type; GGUFError if the file is
+    malformed or not a model this importer converts."""
+    header = gguf_header.read(gguf)
+    gguf_header.check_model(header, gguf.name)
+    return header.metadata, header.tensor_types()
 
 
 def _convert(gguf: Path, digest: str, out: Path) -> None:
     import torch
-    from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    meta, types = read_header(gguf)
+    header = gguf_header.read(gguf)
+    gguf_header.check_model(header, gguf.name)
+    meta, types = header.metadata, header.tensor_types()
+    arch = header.architecture
     quantized = {k: n for k, n in types.items() if k not in ("F32", "F16", "BF16")}
-    log.info("importing %s (%s) into %s: %s", gguf.name, meta["general.architecture"], out.parent,
-             _describe(types, quantized))
+    log.info("importing %s (%s) into %s: %s", gguf.name, arch, out.parent, _describe(types, quantized))
     src, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(src, gguf_file=name)
-    config.architectures = [ARCHITECTURES[meta["general.architecture"]]]
+    config.architectures = [ARCHITECTURES[arch]]
     # transformers reads no head_dim for qwen2/qwen3 files, and Qwen3Config's default (128) is
     # wrong for any other shape; llama.cpp's reading is attention.key_length, else hidden / heads.
-    key_length = meta.get(f"{meta['general.architecture']}.attention.key_length")
+    key_length = meta.get(f"{arch}.attention.key_length")
     config.head_dim = int(key_length or config.hidden_size // config.num_attention_heads)
-    with torch.device("meta"):  # only for the tensor-name map: no memory
+    with torch.device("meta"):  # shapes and names only: no memory (the layer count is bounded)
         skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     expected = {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise GGUFError(f"{gguf.name} lacks tensors the model needs: {missing[:4]}")
-    misshapen = [f"{n} {tuple(t.shape)} != {expected[n]}" for n, t in tensors.items()
-                 if n in expected and tuple(t.shape) != expected[n]]
-    if misshapen:
-        raise GGUFError(f"{gguf.name}: tensor shapes disagree with its metadata: {misshapen[:3]}")
-    state = {k: v.to(torch.float32).contiguous() for k, v in tensors.items() if k in expected}
-    save_torch_state_dict(state, str(out), max_shard_size="2GB")
+    plan, process = _tensor_plan(gguf, header, skeleton, expected)
+    write_float32(out, [(hf, expected[hf]) for hf in plan], lambda hf: process(plan[hf], hf))
     config.save_pretrained(str(out))
     _add_legacy_keys(out / "config.json")
     AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(str(out))
     _portable_tokenizer_config(out / "tokenizer_config.json", config.max_position_embeddings)
     _write_generation_config(config, meta, out)
     provenance = {"importer_version": IMPORTER_VERSION, "source": str(gguf), "sha256": digest,
-                  "architecture": meta["general.architecture"], "tensor_types": dict(types),
+                  "architecture": arch, "tensor_types": dict(types),
                   "stored_dtype": "float32", "dequantized": bool(quantized)}
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
     for f in out.iterdir():
         f.chmod(0o644)  # the shard writer makes private files; the cache is read by other users' pods too
+
+
+def _tensor_plan(gguf: Path, header: gguf_header.Header, skeleton: Any,
+                 expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], Any]:
+    """{HF name: GGUF name} of the tensors to write, every shape checked against the model the
+    metadata describes before any is dequantized, and the function that converts one."""
+    import gguf as gguf_lib
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=parsed)
+    to_hf = get_gguf_hf_weights_map(skeleton, processor)
+    plan = {to_hf[t.name]: t.name for t in header.tensors if to_hf.get(t.name) in expected}
+    missing = sorted(set(expected) - set(plan))
+    if missing:
+        raise GGUFError(f"{gguf.name} lacks tensors the model needs: {missing[:4]}")
+    shapes = {t.name: t.shape for t in header.tensors}
+    misshapen = [f"{g} {shapes[g]} != {expected[hf]}" for hf, g in plan.items() if shapes[g] != expected[hf]]
+    if misshapen:
+        raise GGUFError(f"{gguf.name}: tensor shapes disagree with its metadata: {misshapen[:3]}")
+    reader = gguf_lib.GGUFReader(str(gguf))
+    by_name = {t.name: t for t in reader.tensors}
+
+    def convert(gguf_name: str, hf_name: str) -> Any:
+        t = by_name[gguf_name]
+        weights = gguf_lib.quants.dequantize(t.data, t.tensor_type)
+        return processor.process(weights=weights, name=gguf_name, tensor_key_mapping=to_hf,
+                                 parsed_parameters={"config": parsed}).weights
+
+    return plan, convert
 
 
 def _describe(types: Counter[str], quantized: dict[str, int]) -> str:

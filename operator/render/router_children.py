@@ -26,6 +26,7 @@ ROUTER_DRAIN_S = 30
 def router_command(svc: ServiceSpec) -> list[str]:
     return contract.router_argv(contract.RouterArgs(
         host="0.0.0.0", port=names.HTTP_PORT, namespace=svc.namespace,
+        admin_port=contract.ROUTER_ADMIN_PORT,  # given, not derived: the preStop hook drains through it
         # Given, not learnt from the first worker: a router that starts with a role at zero pods
         # (scale from zero) must still answer /v1/models and check the model clients ask for.
         model_name=svc.model.served_name,

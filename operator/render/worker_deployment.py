@@ -36,7 +36,8 @@ def worker_command(svc: ServiceSpec, spec: RoleSpec) -> list[str]:
     return contract.worker_argv(contract.WorkerArgs(
         role=spec.role, model=svc.model.container_path, served_model_name=svc.model.served_name,
         host="0.0.0.0", port=names.HTTP_PORT, bootstrap_port=names.BOOTSTRAP_PORT,
-        config=contract.ENGINE_CONFIG_PATH, extra=tuple(spec.extra_args),
+        # Given, not derived: the preStop hook drains through this port (drain_command).
+        admin_port=contract.ADMIN_PORT, config=contract.ENGINE_CONFIG_PATH, extra=tuple(spec.extra_args),
         tool_call_parser=svc.model.tool_call_parser, reasoning_parser=svc.model.reasoning_parser,
     ))
 

@@ -17,11 +17,14 @@ from pathlib import Path
 from tandem.engine.engine_config import EngineConfig
 from tandem.worker_contract import (
     ADMIN_PORT,
+    BOOTSTRAP_PORT,
     ENV_ADMIN_KEY,
     ENV_POD_IP,
     PREFILL,
     KvTransfer,
     add_worker_arguments,
+    admin_port,
+    bootstrap_port,
     kv_from_env,
 )
 
@@ -36,7 +39,7 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    bootstrap_port: int = 8998
+    bootstrap_port: int = BOOTSTRAP_PORT
     api_key: str | None = None
     admin_key: str | None = None  # the admin routes on the main listener (never the API key)
     admin_port: int = ADMIN_PORT  # the admin listener on 127.0.0.1; 0: none
@@ -105,9 +108,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(model: str) -> str:
+    from tandem.engine.modelgen.gguf_import import GGUFError
+    from tandem.engine.modelgen.named_models import ModelFetchError
     from tandem.engine.modelgen.resolve import resolve_model as build_or_find
 
-    return str(build_or_find(model))
+    try:
+        return str(build_or_find(model))
+    except (GGUFError, ModelFetchError) as exc:  # a file or download that is not a model: one line, no traceback
+        raise SystemExit(f"tandem serve: --model {model}: {exc}") from None
 
 
 def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
@@ -121,11 +129,11 @@ def config_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.env
         engine, kv = EngineConfig.from_kwargs(model=ns.model, **overrides), None
     return ServerConfig(
         role=ns.role, model_path=resolve_model(ns.model), served_model_name=ns.served_model_name or ns.model,
-        engine=dataclasses.replace(engine, pd_bootstrap_host=ns.host, pd_bootstrap_port=ns.bootstrap_port),
-        host=ns.host, port=ns.port, bootstrap_port=ns.bootstrap_port,
+        engine=dataclasses.replace(engine, pd_bootstrap_host=ns.host, pd_bootstrap_port=bootstrap_port(ns)),
+        host=ns.host, port=ns.port, bootstrap_port=bootstrap_port(ns),
         api_key=ns.api_key or environ.get(ENV_API_KEY) or None,
         admin_key=ns.admin_key or environ.get(ENV_ADMIN_KEY) or None,
-        admin_port=ADMIN_PORT if ns.admin_port is None else ns.admin_port, max_queued_requests=ns.max_queued_requests,
+        admin_port=admin_port(ns), max_queued_requests=ns.max_queued_requests,
         max_request_bytes=ns.max_request_bytes, drain_timeout=ns.drain_timeout, pod_ip=environ.get(ENV_POD_IP),
         kv_transfer=kv_from_env(environ) or kv, tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import threading
 import zipfile
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from tandem.engine.modelgen import gguf_import, named_models  # noqa: E402
+from tandem.engine.modelgen import gguf_header, gguf_import, named_models  # noqa: E402
 from tandem.engine.modelgen.gguf_import import PROVENANCE, GGUFError, import_gguf  # noqa: E402
 from tandem.engine.modelgen.named_models import ModelFetchError, NamedModel, fetch_named  # noqa: E402
 from tandem.engine.modelgen.resolve import resolve_model  # noqa: E402
@@ -293,3 +294,258 @@ def test_fetch_imports_once_then_works_offline(exported: dict[str, Path], tmp_pa
     monkeypatch.setattr(named_models, "subprocess", _subprocess(offline))
     assert fetch_named("test-model", tmp_path) == got
     assert resolve_model("test-model", cache_dir=tmp_path) == got
+
+
+# ---- hostile files: every malformed GGUF is one GGUFError, costs at most its own size, leaves nothing ----
+
+MICRO_TOKENS = [*"abcdefghijklm", "ab", "<|im_start|>", "<|im_end|>"]
+# Far below what a file that passed the header checks could make the importer allocate before
+# refusing, far above a micro file's real needs (traced Python and numpy allocations only).
+MEMORY_BOUND = 48 * 2**20
+
+
+def micro_gguf(out: Path, *, layers: int = 1, meta: dict[str, Any] | None = None,
+               shapes: dict[str, tuple[int, ...]] | None = None) -> Path:
+    """A whole Llama of a few KB: 16 tokens, hidden 8, `layers` layers. `meta` overrides
+    metadata values (block_count, head_count, ...), `shapes` a tensor's shape (torch order)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    m = {"block_count": layers, "context_length": 64, "embedding_length": 8, "feed_forward_length": 16,
+         "head_count": 2, "head_count_kv": 1, **(meta or {})}
+    hidden, ffn, heads, kv, hd = 8, 16, 2, 1, 4
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_block_count(m["block_count"])
+    w.add_context_length(m["context_length"])
+    w.add_embedding_length(m["embedding_length"])
+    w.add_feed_forward_length(m["feed_forward_length"])
+    w.add_head_count(m["head_count"])
+    w.add_head_count_kv(m["head_count_kv"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_vocab_size(len(MICRO_TOKENS))
+    w.add_rope_dimension_count(hd)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(MICRO_TOKENS)
+    w.add_token_types([gguf.TokenType.NORMAL] * 14 + [gguf.TokenType.CONTROL] * 2)
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(14)
+    w.add_eos_token_id(15)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    sizes = {"token_embd": (len(MICRO_TOKENS), hidden), "output_norm": (hidden,), "output": (len(MICRO_TOKENS), hidden)}
+    for i in range(layers):
+        sizes |= {f"blk.{i}.{n}": s for n, s in (
+            ("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (heads * hd, hidden)),
+            ("attn_k", (kv * hd, hidden)), ("attn_v", (kv * hd, hidden)), ("attn_output", (hidden, heads * hd)),
+            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn)))}
+    for name, shape in sizes.items():
+        w.add_tensor(f"{name}.weight", rng.standard_normal((shapes or {}).get(name, shape)).astype(np.float32))
+    _finish(w)
+    return out
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A micro GGUF, imported once so that later imports measure the import, not transformers' imports."""
+    tmp = tmp_path_factory.mktemp("micro")
+    path = micro_gguf(tmp / "micro.gguf")
+    import_gguf(path, home=tmp / "warm")
+    return path
+
+
+def _temp_dirs(home: Path) -> list[str]:
+    models = home / "models"
+    return [p.name for p in models.iterdir() if ".tmp-" in p.name] if models.is_dir() else []
+
+
+def _import_traced(path: Path, home: Path) -> tuple[Path | GGUFError, int]:
+    """The import's outcome and the peak of what it allocated (Python objects and numpy arrays)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            outcome: Path | GGUFError = import_gguf(path, home=home)
+        except GGUFError as exc:
+            outcome = exc
+        return outcome, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _u64_after(data: bytes, key: bytes, skip: int) -> int:
+    """The offset of the uint64 `skip` bytes after metadata key `key` (an array's length: skip 8)."""
+    return data.index(key) + len(key) + skip
+
+
+def _patched(data: bytes, offset: int, value: int) -> bytes:
+    import struct
+
+    return data[:offset] + struct.pack("<Q", value) + data[offset + 8:]
+
+
+HOSTILE = {
+    "tensor count 2^60": lambda d: _patched(d, 8, 1 << 60),
+    "kv count 2^60": lambda d: _patched(d, 16, 1 << 60),
+    "token array 2^40 long": lambda d: _patched(d, _u64_after(d, b"tokenizer.ggml.tokens", 8), 1 << 40),
+    "token array 2^20 empty strings": lambda d: _patched(d, _u64_after(d, b"tokenizer.ggml.tokens", 8), 1 << 20),
+    "a key 2^62 bytes long": lambda d: _patched(d, 24, 1 << 62),
+    "truncated in the tensor data": lambda d: d[:-40],
+    "truncated in the header": lambda d: d[:300],
+    "version 1": lambda d: d[:4] + b"\x01\x00\x00\x00" + d[8:],
+    "no magic": lambda d: b"GGUX" + d[4:],
+}
+
+
+@pytest.mark.parametrize("mutate", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_hostile_headers_are_refused_within_bounds(mutate: Callable[[bytes], bytes], micro: Path,
+                                                   tmp_path: Path) -> None:
+    (bad := tmp_path / "bad.gguf").write_bytes(mutate(micro.read_bytes()))
+    outcome, peak = _import_traced(bad, tmp_path / "home")
+    assert isinstance(outcome, GGUFError), outcome
+    assert "bad.gguf" in str(outcome) and "\n" not in str(outcome)
+    assert peak < MEMORY_BOUND, f"{peak / 2**20:.0f} MiB allocated to refuse a {bad.stat().st_size}-byte file"
+    assert _temp_dirs(tmp_path / "home") == []
+
+
+@pytest.mark.parametrize(("meta", "says"), [
+    ({"block_count": 5000}, r"llama.block_count is 5000; it must be an integer from 1 to 12"),
+    ({"head_count": 0}, r"llama.attention.head_count is 0"),
+    ({"embedding_length": 1 << 31}, r"llama.embedding_length is 2147483648"),
+], ids=["block_count", "head_count", "embedding_length"])
+def test_absurd_dimensions_are_refused_before_the_model_is_built(meta: dict[str, int], says: str, tmp_path: Path,
+                                                                 micro: Path) -> None:
+    """A layer count is bounded by the tensors the file really has: a skeleton of 5000 layers
+    (transformers builds one before reading a tensor) is never made."""
+    outcome, peak = _import_traced(micro_gguf(tmp_path / "m.gguf", meta=meta), tmp_path / "home")
+    assert isinstance(outcome, GGUFError) and re_search(says, str(outcome)), outcome
+    assert peak < MEMORY_BOUND and _temp_dirs(tmp_path / "home") == []
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+def test_shapes_are_checked_before_any_tensor_is_dequantized(micro: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def counting(real: Callable[..., Any]) -> Callable[..., Any]:
+        def dequantize(*args: Any, **kw: Any) -> Any:
+            calls.append("dequantize")
+            return real(*args, **kw)
+        return dequantize
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counting(gguf.quants.dequantize))
+    monkeypatch.setattr(gguf, "dequantize", counting(gguf.dequantize))  # what transformers imports
+    bad = micro_gguf(tmp_path / "wide.gguf", shapes={"blk.0.ffn_up": (64, 8)})
+    with pytest.raises(GGUFError, match=r"wide.gguf: tensor shapes disagree with its metadata: "
+                                        r"\['blk.0.ffn_up.weight \(64, 8\) != \(16, 8\)'\]"):
+        import_gguf(bad, home=tmp_path / "home")
+    assert calls == []
+    import_gguf(micro, home=tmp_path / "home")
+    assert len(calls) == 3 + 9  # the good file: each tensor once
+
+
+def test_conversion_holds_one_tensor_at_a_time(exported: dict[str, Path], tmp_path: Path, micro: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """While tensors are converted and written, memory holds about the largest one at float32,
+    not the model's whole float32 size (tracemalloc sees numpy's buffers)."""
+    import tracemalloc
+
+    header = gguf_header.read(exported["qwen3"])
+    sizes = [4 * t.nbytes // {"F32": 4, "F16": 2}[t.type_name] for t in header.tensors]
+    peaks: list[int] = []
+    real_write = gguf_import.write_float32
+
+    def traced_write(*args: Any, **kw: Any) -> None:
+        tracemalloc.start()
+        try:
+            real_write(*args, **kw)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+
+    monkeypatch.setattr(gguf_import, "write_float32", traced_write)
+    import_gguf(exported["qwen3"], home=tmp_path / "home")
+    assert len(peaks) == 1 and peaks[0] < 1.5 * max(sizes) < sum(sizes), (peaks, max(sizes), sum(sizes))
+
+
+def test_killed_imports_leave_nothing_behind(exported: dict[str, Path], tmp_path: Path) -> None:
+    """A conversion killed halfway leaves its temp dir; the next import removes every one whose
+    lock no process holds, and keeps the one of a conversion still running."""
+    import fcntl
+
+    home = tmp_path / "home"
+    target = gguf_import.cache_dir_for(exported["qwen2"], gguf_import.file_sha256(exported["qwen2"]), home)
+    models = target.parent
+    models.mkdir(parents=True)
+    killed = [models / f".{target.name}.tmp-abc123", models / ".other-0123456789ab-gguf1.tmp-def456"]
+    running = models / ".busy-0123456789ab-gguf1.tmp-ghi789"
+    for d in (*killed, running):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half")
+    with open(models / ".busy-0123456789ab-gguf1.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # that conversion is alive (on this host or another)
+        assert import_gguf(exported["qwen2"], home=home) == target and is_whole(target)
+    assert not any(d.exists() for d in killed) and running.exists()
+
+
+def is_whole(model_dir: Path) -> bool:
+    return (model_dir / PROVENANCE).is_file() and (model_dir / "model.safetensors").is_file()
+
+
+def test_the_cli_and_the_server_say_what_is_wrong_in_one_line(micro: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.cli import main
+    from tandem.server.config import resolve_model as server_resolve
+
+    bad = micro_gguf(tmp_path / "zero-heads.gguf", meta={"head_count": 0})
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    assert main(["model", "import", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tandem model import: zero-heads.gguf: llama.attention.head_count is 0"), err
+    with pytest.raises(SystemExit, match=r"tandem serve: --model .*zero-heads.gguf: .*head_count is 0"):
+        server_resolve(str(bad))
+    assert _temp_dirs(tmp_path / "home") == []
+
+
+def test_fuzzed_files_import_or_fail_clearly(micro: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Truncations, byte flips and huge counts written over the header, kv and tensor-info
+    section of a good file: each either imports whole or is one GGUFError naming the file, within
+    the memory bound, and never leaves a temp dir."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    good = micro.read_bytes()
+    end = gguf_header.read(micro).data_offset  # where the tensor data starts
+    work = tmp_path_factory.mktemp("fuzz")
+    seen: Counter[str] = Counter()
+
+    truncate = st.integers(0, len(good) - 1).map(lambda n: good[:n])
+    flips = st.lists(st.tuples(st.integers(0, end - 1), st.integers(1, 255)), min_size=1, max_size=4).map(
+        lambda fs: bytes(b ^ dict(fs).get(i, 0) for i, b in enumerate(good)))
+    huge = st.tuples(st.integers(0, end - 8), st.sampled_from([1 << 32, 1 << 63, (1 << 64) - 1, len(good), 1 << 20]))
+
+    @hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(st.one_of(truncate, flips, huge.map(lambda h: _patched(good, *h))))
+    def check(data: bytes) -> None:
+        path = work / f"f{len(seen)}.gguf"
+        path.write_bytes(data)
+        outcome, peak = _import_traced(path, work / "home")
+        seen["imported" if isinstance(outcome, Path) else "refused"] += 1
+        if isinstance(outcome, Path):
+            assert is_whole(outcome)
+        else:
+            assert str(outcome).startswith(path.name) and "\n" not in str(outcome), outcome
+        assert peak < MEMORY_BOUND, f"{peak / 2**20:.0f} MiB for a {len(data)}-byte file"
+        assert _temp_dirs(work / "home") == []
+
+    check()
+    assert seen["refused"] > 0, seen

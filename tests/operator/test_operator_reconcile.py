@@ -62,7 +62,7 @@ def test_worker_contract(minimal_cr: dict[str, Any]) -> None:
     assert c["command"] == [
         "tandem", "serve", "--role", "prefill", "--model", "/models/llama-3.1-8b-instruct",
         "--served-model-name", "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0", "--port", "8000",
-        "--bootstrap-port", "8998", "--config", "/etc/tandem/engine.yaml",
+        "--bootstrap-port", "8998", "--admin-port", "8001", "--config", "/etc/tandem/engine.yaml",
     ]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "bootstrap": 8998, "kv": 17000}
@@ -87,7 +87,7 @@ def test_router_contract_and_rbac(minimal_cr: dict[str, Any]) -> None:
     router = kids[("Deployment", "llama3-8b-router")]
     c = container(router)
     assert c["command"] == [
-        "tandem", "router", "--host", "0.0.0.0", "--port", "8000",
+        "tandem", "router", "--host", "0.0.0.0", "--port", "8000", "--admin-port", "8002",
         "--model-name", "meta-llama/Llama-3.1-8B-Instruct",
         "--prefill-selector", "app.kubernetes.io/name=tandem,app.kubernetes.io/instance=llama3-8b,"
                               "app.kubernetes.io/component=prefill",
