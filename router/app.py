@@ -74,6 +74,15 @@ async def _model_name(cfg: RouterConfig, ws: WorkerSet, client: httpx.AsyncClien
     return None
 
 
+async def _learn_model_name(state: RouterState, client: httpx.AsyncClient, interval: float) -> None:
+    """A router started before its workers (by hand, or a rollout) asks again until one answers:
+    without this /v1/models named no model for the router's whole life."""
+    while state.model_name is None:
+        await asyncio.sleep(interval)
+        state.model_name = await _model_name(state.config, state.workers, client)
+    log.info("serving %r", state.model_name)
+
+
 def build_app(cfg: RouterConfig) -> Any:
     """The ASGI app uvicorn serves: the guard (keys, body size), then the proxied routes' fast
     path, then FastAPI for everything else. The fast path sits outside FastAPI so that a
@@ -101,6 +110,8 @@ def build_app(cfg: RouterConfig) -> Any:
                                 ClientLimit(cfg.max_requests_per_client), cfg.url_allow)
             app.state.router = state
             tasks = [asyncio.create_task(health.run())]
+            if state.model_name is None:
+                tasks.append(asyncio.create_task(_learn_model_name(state, client, cfg.health_interval)))
             if cfg.selectors:
                 discovery = PodDiscovery(ws, cfg.namespace, dict(cfg.selectors),
                                          on_remove=lambda url: [p.index.remove(url) for p in policies.values()])

@@ -152,6 +152,8 @@ PROXIED: dict[str, tuple[type[BaseModel], Callable[[Any, Any, dict], Awaitable[J
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     state = _state(request)
+    if state.model_name is None:  # no worker has named it yet (router/app.py asks again)
+        return {"object": "list", "data": []}
     return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "tandem",
                                         "created": state.started}]}
 

@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 from waits import wait_until
-from worker_process import Worker
+from worker_process import Worker, free_port
 
 from tandem import Engine
 
@@ -145,3 +145,32 @@ def test_worker_killed_mid_stream_then_readmitted(model_path) -> None:
         for w in (router, restarted, *workers):
             if w is not None:
                 w.stop()
+
+
+def test_a_router_started_before_its_worker_learns_the_model_name(model_path) -> None:
+    """The README's by-hand stack starts the router with the workers still loading: /v1/models
+    used to name no model for the router's whole life."""
+    model = model_path("tiny")
+
+    class Later:  # the worker's URL, before there is a worker
+        url = f"http://127.0.0.1:{free_port()}"
+
+    router = Worker.router(model, workers=[Later()])  # type: ignore[list-item]
+    worker = None
+    try:
+        wait_until(lambda: _answers(router.url + "/v1/models"), 120, f"the router listening\n{router.output()}")
+        assert httpx.get(router.url + "/v1/models").json()["data"] == []  # no model named yet
+        worker = Worker(Worker.colocated_argv(model), port=int(Later.url.rsplit(":", 1)[1])).wait_ready()
+        wait_until(lambda: [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]] == ["tiny"], 60,
+                   f"the router naming the model\n{router.output()}")
+    finally:
+        for w in (router, worker):
+            if w is not None:
+                w.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

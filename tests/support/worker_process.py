@@ -72,11 +72,15 @@ class Worker:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, contract.ENV_PD_SECRET: PD_SECRET, **key_env, **(env or {})})
 
-    @classmethod
-    def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
+    @staticmethod
+    def colocated_argv(model: Path, *flags: str, name: str = "tiny") -> list[str]:
         args = contract.WorkerArgs(role=contract.COLOCATED, model=str(model), served_model_name=name, config=None,
                                    extra=("--dtype", "float32", *flags))
-        return cls(contract.worker_argv(args)[1:], **kw)  # type: ignore[arg-type]
+        return contract.worker_argv(args)[1:]
+
+    @classmethod
+    def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
+        return cls(cls.colocated_argv(model, *flags, name=name), **kw)  # type: ignore[arg-type]
 
     @classmethod
     def prefill(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
