@@ -115,6 +115,25 @@ def _gpu_limit(resources: dict[str, Any]) -> int | None:
         return None
 
 
+# Flags the operator writes itself (tandem/worker_contract.py): the Services, probes and the
+# preStop drain are built on their values, so an extraArgs copy (argparse keeps the last one)
+# would leave a pod that the Service misses or whose drain calls the wrong admin port.
+OWNED_FLAGS = {
+    names.ROUTER: ("--host", "--port", "--admin-port", "--model", "--model-name", "--namespace", "--selector",
+                   "--prefill-selector", "--decode-selector", "--workers", "--prefill", "--decode"),
+    "worker": ("--role", "--model", "--served-model-name", "--host", "--port", "--bootstrap-port", "--admin-port",
+               "--config"),
+}
+
+
+def _check_extra_args(role: str, args: tuple[str, ...], errors: list[str]) -> None:
+    owned = OWNED_FLAGS[names.ROUTER if role == names.ROUTER else "worker"]
+    clash = sorted({a.split("=", 1)[0] for a in args} & set(owned))
+    if clash:
+        errors.append(f"spec.{role}.extraArgs may not set {', '.join(clash)}: the operator sets "
+                      f"{'it' if len(clash) == 1 else 'them'} for the Services, probes and drain")
+
+
 def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) -> RoleSpec:
     where = f"spec.{role}"
     spec = RoleSpec(
@@ -137,6 +156,7 @@ def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) ->
         service_type=str(raw.get("serviceType", "ClusterIP")),
         service_port=_int(raw.get("servicePort", 80), f"{where}.servicePort", errors, lo=1, hi=65535),
     )
+    _check_extra_args(role, spec.extra_args, errors)
     if not all(isinstance(spec.template.get(k, {}), dict) for k in ("metadata", "spec")):
         errors.append(f"{where}.template.metadata and {where}.template.spec must be mappings")
     if spec.min_replicas > spec.max_replicas:

@@ -55,6 +55,11 @@ def test_random_specs_never_escape_sync(minimal_cr: dict[str, Any], data: Any) -
     (("prefill", "tensorParallelSize"), 100_000, "tensorParallelSize"),
     (("router", "servicePort"), 70_000, "servicePort"),
     (("engine",), "not a mapping", "malformed"),
+    # Flags the operator renders: a second copy would win, and the preStop drain or the Service
+    # would then call a port nothing listens on.
+    (("decode", "extraArgs"), ["--admin-port", "9001"], "extraArgs may not set --admin-port"),
+    (("prefill", "extraArgs"), ["--bootstrap-port=1"], "extraArgs may not set --bootstrap-port"),
+    (("router", "extraArgs"), ["--port", "1", "--policy", "round_robin"], "extraArgs may not set --port"),
 ])
 def test_wrong_types_and_absurd_values_are_spec_errors(minimal_cr, path, value, says) -> None:
     cr = copy.deepcopy(minimal_cr)
