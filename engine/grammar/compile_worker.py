@@ -10,6 +10,11 @@ and the serialized text the parent must read back), and its first vocabulary mas
 this process's CPU: a grammar slow from its first token is refused before any scheduler runs
 it (the matcher budget, matcher_budget.py, catches one that only slows down later).
 
+Its address space is capped (`bound_memory`) at what it holds once the backend is built plus
+a headroom: a schema whose compile or text would take gigabytes (1,000 optional properties
+reached 5 GB here) fails with a MemoryError, or ends the child, instead of pressing the pod
+toward its memory limit, where the OOM killer might pick the worker itself.
+
 The child ends when the parent does: a thread reads the job pipe, and its end of file (the
 parent gone, whatever the reason) exits the process even in the middle of a compile.
 """
@@ -51,13 +56,34 @@ def compile_one(backend: GrammarBackend, kind: str, text: str, max_bytes: int,
     if cost > probe_limit:
         return {"error": f"the {kind} is too costly to follow: its first vocabulary mask took {cost:.2f} s "
                          f"of CPU (the limit is {probe_limit:g} s)"}, None
-    data = backend.serialize(compiled)
+    try:
+        data = backend.serialize(compiled)
+    except (MemoryError, RuntimeError) as exc:  # RuntimeError: xgrammar's std::bad_alloc at the cap
+        return {"error": f"the compiled {kind} is too large to hand back ({_first_line(exc)})"}, None
     # xgrammar's text for a schema's optional properties grows with their count squared (300:
     # 0.9 MiB in memory, 31 MiB as text): the text may be TEXT_RATIO times the memory bound.
     if len(data) > TEXT_RATIO * max_bytes:
         return {"error": f"the compiled {kind} is {_mib(len(data))} serialized, more than the "
                          f"{_mib(TEXT_RATIO * max_bytes)} a grammar may hold"}, None
     return {"size": size}, data
+
+
+def headroom(max_bytes: int) -> int:
+    """Address space a compile may add: the grammar, its text (TEXT_RATIO times), xgrammar's work."""
+    return 2**30 + 4 * TEXT_RATIO * max_bytes
+
+
+def bound_memory(extra: int) -> None:
+    """Cap this process's address space at its present size plus `extra` bytes."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, resource.RLIM_INFINITY))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _mib(n: int) -> str:
@@ -79,6 +105,8 @@ def main(argv: list[str]) -> None:
     backend = create_from_spec(setup["backend"], setup["spec"])
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_read_jobs, args=(conn_in, jobs), daemon=True).start()
+    if sys.platform == "linux":
+        bound_memory(headroom(setup["max_bytes"]))
     conn_out.send_bytes(b'{"ready": true}')
     while True:
         kind, text = json.loads(jobs.get())

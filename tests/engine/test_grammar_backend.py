@@ -5,6 +5,8 @@ scheduler thread and the forward thread."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -313,3 +315,32 @@ def test_the_forward_thread_waits_for_the_mask_and_a_failure_releases_it(backend
     bad.fail(ValueError("processing batch N-1 failed"))
     t.join(5)
     assert isinstance(results[1], RuntimeError) and "N-1" in str(results[1])
+
+
+# A compile process cannot take the pod's memory: its address space is capped at what it holds
+# once its backend is built plus a headroom (compile_worker.py). Found: a schema of 1,000 optional
+# properties drove one compile child to 5 GB before its text was refused.
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux's")
+def test_bound_memory_turns_a_huge_allocation_into_a_memory_error() -> None:
+    code = ("from tandem.engine.grammar.compile_worker import bound_memory\n"
+            "bound_memory(256 * 2**20)\n"
+            "try:\n    b = bytearray(1 << 30)\nexcept MemoryError:\n    print('refused')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "refused", out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc are Linux's")
+def test_a_schema_that_would_take_gigabytes_fails_alone_and_the_pool_goes_on(tokenizer: Any) -> None:
+    huge = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}})
+    q = _queue(tokenizer, timeout=120)
+    try:
+        q.add("huge", ("json_schema", huge), "huge")
+        q.add("small", ("regex", "[ab]+"), "small")
+        ready, failed = _settled(q, timeout=180)
+        assert [item for item, _ in ready] == ["small"]
+        assert failed and failed[0][0] == "huge" and "too large" in failed[0][1], failed
+        peaks = [int(line.split()[1]) for pid in q.pool.pids()
+                 for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmHWM:")]
+        assert all(kb < 3 * 2**20 for kb in peaks), peaks  # under 3 GiB resident; it reached 5 without the cap
+    finally:
+        q.shutdown()
