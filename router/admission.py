@@ -5,7 +5,7 @@ queued ahead of it; otherwise it waits in the queue, in arrival order. A full qu
 wait past `queue_timeout`, answers 429 (the OpenAI status for "slow down"): nothing waits
 unbounded and nothing is dropped silently.
 
-A request holds one slot per sequence it opens (prompts x n), and at most MAX_REQUEST_SHARE of
+A request holds one slot per sequence it opens (prompts x n), and at most limits.MAX_REQUEST_SHARE of
 them: one batch of thousands took a single slot, then nearly every slot of the worker it
 reached, and the other clients got 429s. Past its share it is a 400, since waiting cannot help.
 """
@@ -18,9 +18,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+from tandem.protocol.limits import max_sequences_per_request
 from tandem.web.errors import ApiError
-
-MAX_REQUEST_SHARE = 0.25  # of the slots, for one request's sequences (workers: server/front.py)
 
 
 class TokenBucket:
@@ -58,7 +57,7 @@ class Admission:
 
     @property
     def max_per_request(self) -> int:
-        return max(1, int(self.max_inflight * MAX_REQUEST_SHARE))
+        return max_sequences_per_request(self.max_inflight)
 
     @contextlib.asynccontextmanager
     async def slot(self, weight: int = 1) -> AsyncIterator[None]:

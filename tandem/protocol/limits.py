@@ -51,3 +51,11 @@ MAX_SCHEMA_ITEMS = 1024  # entries of one list or object (enum, anyOf, propertie
 MAX_SCHEMA_COMPARISONS = 32768
 MAX_SCHEMA_PATTERN_CHARS = 16384  # regexes (pattern, patternProperties) the check compiles
 SCHEMA_CACHE_ENTRIES = 4096  # digests of schema texts a worker has already passed
+
+# One request's sequences (prompts x n) may hold at most this share of a front's admission
+# slots (the router's admission.py, a worker's server/front.py): one batch cannot starve the rest.
+MAX_REQUEST_SHARE = 0.25
+
+
+def max_sequences_per_request(slots: int) -> int:
+    return max(1, int(slots * MAX_REQUEST_SHARE))

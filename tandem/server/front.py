@@ -7,7 +7,7 @@ Outputs arrive on the client's reader thread and are handed to the event loop in
 call per batch. A request lives in `active` from admission until its stream is closed;
 closing a stream that has not finished sends AbortReq, so a client that goes away frees
 its pages. Admission is bounded (429 past the limit) and stops while draining (503). One
-request's sequences (prompts x n) may hold at most MAX_REQUEST_SHARE of the slots: a single
+request's sequences (prompts x n) may hold at most limits.MAX_REQUEST_SHARE of the slots: a single
 batch used to take nearly all of them, leaving every other client 429s.
 
 The schedulers know a request only by the id this front gives it, unique for the front's
@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.protocol.limits import max_sequences_per_request
 from tandem.protocol.messages import AbortReq, AdminResult, GenerateReq, ReqOutput, StatusReq
 from tandem.web.errors import ApiError
 
 log = logging.getLogger(__name__)
-MAX_REQUEST_SHARE = 0.25  # of the admission slots, for one request's sequences (router: admission.py)
 
 
 class SchedulerDown(ApiError):
@@ -131,7 +131,7 @@ class Front:
     # ---- requests -----------------------------------------------------------------------------------
     @property
     def max_per_request(self) -> int:
-        return max(1, int(self.max_active * MAX_REQUEST_SHARE))
+        return max_sequences_per_request(self.max_active)
 
     def admit(self, count: int) -> None:
         """Before a request opens its `count` sequences: a 400 past its share of the slots
