@@ -163,6 +163,7 @@ def test_a_router_started_before_its_worker_learns_the_model_name(model_path) ->
         worker = Worker(Worker.colocated_argv(model), port=int(Later.url.rsplit(":", 1)[1])).wait_ready()
         wait_until(lambda: [m["id"] for m in httpx.get(router.url + "/v1/models").json()["data"]] == ["tiny"], 60,
                    f"the router naming the model\n{router.output()}")
+        assert worker.pool()["whole"], worker.output()
     finally:
         for w in (router, worker):
             if w is not None:
