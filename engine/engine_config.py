@@ -53,6 +53,9 @@ class EngineConfig:
     decode_split_kv: bool | None = None  # FlashInfer's split-KV decode; None: off once the batch fills the GPU
     fused_rope_kv: bool | None = None  # RoPE + K/V store in one Triton launch; None: on CUDA
     disable_cuda_graph: bool = False
+    # Bit-identical tokens for a request whatever its batch, cache hits, chunks, loop or PD role
+    # (SGLang's --enable-deterministic-inference; docs/engine.md, "Deterministic mode").
+    deterministic: bool = False
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     max_context_len: int | None = None
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
@@ -154,7 +157,7 @@ class EngineConfig:
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
             attention_backend=self.attention_backend, layer_ops=self.layer_ops,
             decode_tensor_cores=self.decode_tensor_cores, decode_split_kv=self.decode_split_kv,
-            fused_rope_kv=self.fused_rope_kv,
+            fused_rope_kv=self.fused_rope_kv, deterministic=self.deterministic,
             disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
         )

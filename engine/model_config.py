@@ -155,6 +155,10 @@ class RunnerConfig:
     fused_rope_kv: bool | None = None
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
+    # A request's tokens do not depend on its batch, its cache hits or its chunks (docs/engine.md,
+    # "Deterministic mode"): fixed-shape matmuls (models/batch_invariant.py), one attention
+    # reduction for every token (attention/torch_backend.py), per-row norms, ordered TP sums.
+    deterministic: bool = False
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     # The largest forward the scheduler runs (its prefill chunk): sizes the activation reserve.
     max_forward_tokens: int = 8192

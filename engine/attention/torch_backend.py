@@ -18,6 +18,13 @@ just the decode requests' rows and seq_lens (views into the batch, no copy).
 Decode otherwise: all decode requests in ONE batched SDPA call. Their KV slots
 are gathered into a padded (batch, max_len) table once per forward (shared by
 all layers); padding points at the reserved page 0 and is masked out.
+
+Deterministic mode (RunnerConfig.deterministic): every token of every batch, decode rows
+included, goes through the extend kernel's fp32-lane form. That kernel reduces one query row
+at a time over kv blocks at absolute positions (0, 32, 64, ...), so a token's attention is the
+same bits whether it was decoded, prefilled cold, prefilled after a cache hit or in another
+chunk: the decode kernel's thread-count splits, the AMX tiles' unspecified sum order and
+SDPA's shape-chosen kernels are all left out.
 """
 
 from __future__ import annotations
@@ -67,8 +74,20 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_extend_kernel = shape_ok and cpu_kernels.enabled("extend_attention")
         self.use_decode_kernel = shape_ok and cpu_kernels.enabled("decode_attention")
         self.use_amx = True  # bf16 extend products on AMX tiles where the build has them
+        self.deterministic = bool(getattr(ctx.config, "deterministic", False))
+        if self.deterministic:
+            if not (shape_ok and cpu_kernels.available()):
+                why = cpu_kernels.unavailable_reason() or (
+                    f"head_dim {ctx.head_dim}, {ctx.num_heads} heads over {ctx.num_kv_heads} kv heads and "
+                    f"{str(ctx.kv_pool.dtype).removeprefix('torch.')} on {torch.device(ctx.device).type}")
+                raise ValueError("deterministic mode needs the CPU extend-attention kernel, which cannot run "
+                                 f"here: {why}")
+            self.use_extend_kernel, self.use_decode_kernel, self.use_amx = True, False, False
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if self.deterministic:
+            batch.attn_metadata = self._all_rows_metadata(batch)
+            return
         table = self.ctx.req_to_token_pool.req_to_token
         rows = batch.req_pool_indices
         extends: list[_ExtendItem] = []
@@ -107,6 +126,19 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_index = torch.where(valid, index, 0)  # pad -> reserved page 0
             meta.decode_mask = valid[:, None, None, :]
         batch.attn_metadata = meta
+
+    @staticmethod
+    def _all_rows_metadata(batch: ForwardBatch) -> _Metadata:
+        """Every request as an extend of the extend kernel, a decode as one new token on its prefix."""
+        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+        starts, start = [], 0
+        for n in batch.extend_lens_cpu:
+            starts.append(start)
+            start += n
+        meta = _Metadata([], start, 0)
+        meta.extend_kernel_args = (batch.req_pool_indices.to(torch.int64).contiguous(), i32(batch.prefix_lens_cpu),
+                                   i32(batch.extend_lens_cpu), i32(starts))
+        return meta
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
@@ -147,6 +179,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
+        if self.deterministic:
+            return self.forward_extend(q, k, v, layer, batch)
         return self._decode(q, layer, batch.attn_metadata).flatten(1)
 
     def _decode(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:

@@ -29,6 +29,8 @@ class TPGroup:
     def __init__(self, rank: int, size: int, device_group: object, cpu_group: object) -> None:
         self.rank, self.size = rank, size
         self.device_group, self.cpu_group = device_group, cpu_group
+        # Deterministic mode: sums in rank order (see all_reduce).
+        self.ordered_sums = False
 
     @classmethod
     def init(cls, rank: int, size: int, addr: str, device: torch.device) -> TPGroup:
@@ -53,9 +55,23 @@ class TPGroup:
 
     # ---- model --------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place."""
-        if self.size > 1:
+        """Sum over the ranks, in place.
+
+        A ring all-reduce cuts the tensor into one chunk per rank, so which rank's value an
+        element's sum starts from depends on the tensor's size, i.e. on the batch. Two addends
+        commute exactly in IEEE arithmetic; three or more do not. With `ordered_sums` and more
+        than two ranks every rank gathers the parts and adds them in rank order instead."""
+        if self.size == 1:
+            return x
+        if not self.ordered_sums or self.size == 2:
             dist.all_reduce(x, group=self.device_group)
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        x.copy_(total)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

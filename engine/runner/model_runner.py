@@ -22,6 +22,7 @@ from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.kvcache.kv_memory import KVMemory, build_kv_memory
 from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.models import layer_ops_choice
+from tandem.engine.models.batch_invariant import make_batch_invariant
 from tandem.engine.models.layers import can_pack_linears, pack_linears
 from tandem.engine.models.loader import load_model
 from tandem.engine.parallel.group import SINGLE, TPGroup
@@ -69,15 +70,38 @@ class ModelRunner:
         self.scaling = mc.head_dim**-0.5
         self.vocab_size = mc.vocab_size
 
+        if config.deterministic:
+            self._check_deterministic()
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
             pack_linears(self.model)
         ops = layer_ops_choice.build(self._choose_layer_ops(), self.model, fall_back=config.layer_ops == "auto")
         self.model.use_layer_ops(ops)
         self.layer_ops_name = ops.name
+        if config.deterministic:
+            make_batch_invariant(self.model)
+            tp.ordered_sums = True
+
+    def _check_deterministic(self) -> None:
+        """Deterministic mode runs on the CPU kernels (norms and attention reduce one row at a time
+        in a fixed order there); refused at start-up wherever they cannot carry the model."""
+        mc = self.model_config
+        if self.device.type != "cpu":
+            raise ValueError("deterministic mode runs on CPU in this release: on CUDA it needs batch-invariant "
+                             "GEMM and attention kernels (docs/engine.md, \"Deterministic mode\")")
+        if self.config.layer_ops not in ("auto", "cpu-kernels"):
+            raise ValueError(f"deterministic mode computes norms with the CPU kernels, not layer_ops="
+                             f"{self.config.layer_ops}")
+        if not cpu_kernels.available():
+            raise ValueError(f"deterministic mode needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
+        if not cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype):
+            raise ValueError("deterministic mode needs the CPU layer ops, which do not handle this model's shapes "
+                             "(hidden and intermediate sizes multiples of 16, head_dim of 32)")
 
     def _choose_layer_ops(self) -> str:
         mc = self.model_config
+        if self.config.deterministic:  # checked by _check_deterministic, whatever the CPU plan prefers
+            return "cpu-kernels"
         cpu_ok = (self.device.type == "cpu" and cpu_kernels.enabled("layer_ops")
                   and cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype))
         return layer_ops_choice.choose(self.config.layer_ops, self.device.type, self.dtype, mc.head_dim,
