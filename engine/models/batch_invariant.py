@@ -29,58 +29,74 @@ from torch import nn
 
 from tandem.engine.models.layers import PackedLinear
 
-# Rows per matmul call. Measured on SmolLM2-135M's shapes (bench/deterministic_cost.py):
-# 16 rows cost ~1.1-1.3x at decode and ~1.5x at a 2048-token prefill against the free shapes.
+# Rows per matmul call. Measured on SmolLM2-135M's shapes (bench/deterministic_cost.py): 8 rows
+# keep decode at its speed but halve a prefill's, 32 the reverse; 16 is between.
 LAYER_ROWS = 16
-HEAD_ROWS = 8
+HEAD_ROWS = 16
+# Vocabulary rows of the LM head per call: a block of the head's weight (4.5 MiB in bf16 at
+# hidden 576) stays in cache while every row tile of the batch passes it, where the whole head
+# (56 MiB) would be read from memory once per tile.
+HEAD_COLS = 4096
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 def tiled(fn: Matmul, x: torch.Tensor, rows: int) -> torch.Tensor:
     """fn over `x` in tiles of exactly `rows` rows; returns x's rows of the result."""
+    return _tiles([fn], x, rows)
+
+
+def _tiles(blocks: list[Matmul], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The column blocks' results side by side, each computed over `x` in tiles of `rows` rows."""
     n = x.shape[0]
     m = max(-(-n // rows), 1) * rows  # no rows: one tile of padding, sliced away
     if m != n or not x.is_contiguous():
         x = F.pad(x, (0, 0, 0, m - n)).contiguous()  # a fresh tensor: every tile at a fixed alignment
-    if m == rows:
-        return fn(x)[:n]
-    return torch.cat([fn(x[i : i + rows]) for i in range(0, m, rows)])[:n]
+    if m == rows and len(blocks) == 1:
+        return blocks[0](x)[:n]
+    # block-major: one block's weight stays in cache while every tile passes it
+    parts = [torch.cat([fn(x[i : i + rows]) for i in range(0, m, rows)]) for fn in blocks]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:n]
 
 
 class InvariantLinear(nn.Module):
-    """A linear layer (nn.Linear or the CPU's PackedLinear) run in fixed-shape tiles."""
+    """y = x W^T (+ b) in fixed-shape calls: tiles of `rows` rows, and blocks of `cols` outputs
+    (one block when None), each block's weight packed for oneDNN when `pack`."""
 
-    def __init__(self, inner: nn.Module, rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, cols: int | None = None,
+                 pack: bool = False) -> None:
         super().__init__()
-        self.inner = inner
         self.rows = rows
-        if isinstance(inner, PackedLinear):
-            self._fn: Matmul = inner._mm  # the unbucketed call: tiles replace the row buckets
-        elif isinstance(inner, nn.Linear):
-            self._fn = lambda x: F.linear(x, inner.weight, inner.bias)
-        else:  # a tied head: the embedding's weight
-            self._fn = lambda x: F.linear(x, inner.weight)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
+        self.out_features, self.in_features = weight.shape
+        step = cols or self.out_features
+        spans = [(lo, min(lo + step, self.out_features)) for lo in range(0, self.out_features, step)]
+        weights = [weight[lo:hi].detach() for lo, hi in spans]
+        biases = [None if bias is None else bias[lo:hi].detach() for lo, hi in spans]
+        if pack:
+            self.blocks = nn.ModuleList(PackedLinear(w, b) for w, b in zip(weights, biases))
+            self._fns: list[Matmul] = [blk._mm for blk in self.blocks]  # unbucketed: tiles replace the buckets
+        else:
+            # views of the model's own weights, kept out of buffers so that nothing counts them twice
+            self._fns = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in zip(weights, biases)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled(self._fn, x, self.rows)
+        return _tiles(self._fns, x, self.rows)
 
 
-def make_batch_invariant(model: nn.Module, layer_rows: int = LAYER_ROWS, head_rows: int = HEAD_ROWS) -> int:
-    """Wrap every linear of `model` (and its LM head) in InvariantLinear; returns how many.
-
-    Call after packing (layers.pack_linears): the wrapper calls the packed kernel directly."""
-    targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, (nn.Linear, PackedLinear)) and not n.endswith("lm_head") and n != "packed_head"]
+def make_batch_invariant(model: nn.Module, pack: bool, layer_rows: int = LAYER_ROWS,
+                         head_rows: int = HEAD_ROWS) -> int:
+    """Every nn.Linear of `model` as an InvariantLinear, and its LM head in column blocks through
+    `packed_head` (which the model's forward prefers); returns how many. Use instead of
+    layers.pack_linears: `pack` packs the blocks themselves."""
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, InvariantLinear(mod, layer_rows))
-    head = getattr(model, "packed_head", None) or getattr(model, "lm_head", None)
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr,
+                InvariantLinear(mod.weight, mod.bias, layer_rows, pack=pack))
+    head = getattr(model, "lm_head", None)
     if head is None:
         return len(targets)
-    model.packed_head = InvariantLinear(head, head_rows)  # the model computes its logits through this
+    model.packed_head = InvariantLinear(head.weight, None, head_rows, HEAD_COLS, pack=pack)
+    if head is not getattr(model, "embed_tokens", None):
+        model.lm_head = model.packed_head  # untied: the blocks replace it (tied: the embedding stays)
     return len(targets) + 1

@@ -73,14 +73,15 @@ class ModelRunner:
         if config.deterministic:
             self._check_deterministic()
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
-        if config.cpu_packed_linear and can_pack_linears(self.device, self.dtype):
+        pack = config.cpu_packed_linear and can_pack_linears(self.device, self.dtype)
+        if config.deterministic:
+            make_batch_invariant(self.model, pack)
+            tp.ordered_sums = True
+        elif pack:
             pack_linears(self.model)
         ops = layer_ops_choice.build(self._choose_layer_ops(), self.model, fall_back=config.layer_ops == "auto")
         self.model.use_layer_ops(ops)
         self.layer_ops_name = ops.name
-        if config.deterministic:
-            make_batch_invariant(self.model)
-            tp.ordered_sums = True
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs on the CPU kernels (norms and attention reduce one row at a time

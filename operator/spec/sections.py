@@ -28,6 +28,7 @@ ENGINE_ARG_NAMES = {
     "disableOverlapSchedule": "disable_overlap_schedule",
     "enableMixedChunk": "enable_mixed_chunk",
     "disableRadixCache": "disable_radix_cache",
+    "deterministic": "deterministic",
     "dtype": "dtype",
     "memFractionStatic": "mem_fraction_static",
 }

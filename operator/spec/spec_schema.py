@@ -115,6 +115,8 @@ ENGINE = obj(
         "disableOverlapSchedule": boolean(),
         "enableMixedChunk": boolean(),
         "disableRadixCache": boolean(),
+        "deterministic": boolean(desc="The same request gets the same tokens whatever its batch and cache "
+                                             "hits (CPU workers; docs/engine.md, Deterministic mode)."),
         "dtype": string(enum=("auto", "float16", "bfloat16", "float32", "half")),
         "memFractionStatic": number(0.05, 0.99),
         "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,

@@ -39,6 +39,9 @@ class UpConfig:
     router_args: tuple[str, ...] = ()
     cpus: tuple[int, ...] = ()  # cores to share out among the workers; () runs them unpinned
     random_weights: bool = False  # a built-in preset: its answers are noise, and the first answer says so
+    # Every worker in deterministic mode (engine_config.deterministic): the same question gets the
+    # same answer whatever the cache holds, which a newcomer's first minutes test (README).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.dp or 1) < 1:
@@ -151,6 +154,7 @@ def _worker(cfg: UpConfig, ports: Ports, name: str, role: str, engine_args: Mapp
         role=role, model=cfg.model, served_model_name=cfg.served_model_name, host="127.0.0.1", port=port,
         bootstrap_port=bootstrap, config=str(config), extra=cfg.worker_args,
         admin_port=ports.one()), program=PROGRAM)  # one host: each its own admin listener
+    engine_args = {**engine_args, **({"deterministic": True} if cfg.deterministic else {})}
     yaml_text = contract.EngineYaml(engine_args=dict(engine_args), kv_transfer=kv).render()
     env = {**_env(name, role, kv), **({contract.ENV_PD_SECRET: pd_secret} if pd_secret else {})}
     return Component(name, role, tuple(argv), env, port, {str(config): yaml_text})

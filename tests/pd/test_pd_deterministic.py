@@ -1,0 +1,70 @@
+"""Deterministic mode across roles, in bf16: prefill + decode over NIXL give the same tokens and
+the same logprobs, bit for bit, as a colocated worker and the offline Engine: cold, chunked,
+after radix hits on both sides (decode-side reuse), and concurrently. Pools whole after each."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+from pd_client import pd_generate
+from worker_process import Worker, running
+
+from tandem import Engine
+from tandem.engine.kernels import cpu_kernels
+
+pytest.importorskip("tandem.pd.transfer.nixl_agent").nixl_api()
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="deterministic mode runs on the CPU kernels")
+
+SP = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+FLAGS = ("--dtype", "bfloat16", "--deterministic", "--page-size", "4", "--chunked-prefill-size", "32",
+         "--max-total-tokens", "8192")
+PROMPTS = ["hi", "one two three " * 21, "the quick brown fox jumps " * 9]
+
+
+@pytest.fixture(scope="module")
+def stack(model_path):
+    model = model_path("tiny")
+    pre = Worker.prefill(model, *FLAGS)
+    dec = Worker.decode(model, *FLAGS, "--pd-local-prefill-threshold", "0", peers=[pre])
+    col = Worker.colocated(model, *FLAGS)
+    with running(pre, dec, col):
+        yield pre, dec, col
+
+
+@pytest.fixture(autouse=True)
+def pools_whole(stack):
+    yield
+    for w in stack:
+        assert w.pool()["whole"], w.output()
+
+
+def _bits(reply: dict) -> tuple:
+    return tuple(reply["output_ids"]), tuple(lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"])
+
+
+def _body(text: str) -> dict:
+    return {"text": text, "sampling_params": SP, "return_logprob": True}
+
+
+def test_pd_equals_colocated_and_the_engine_bit_for_bit(stack, model_path) -> None:
+    pre, dec, col = stack
+    pd = [_bits(pd_generate(pre, dec, _body(p))) for p in PROMPTS]
+    assert pd == [_bits(col.post("/generate", _body(p)).json()) for p in PROMPTS]
+    with Engine(str(model_path("tiny")), dtype="bfloat16", deterministic=True, disable_radix_cache=True) as eng:
+        alone = [eng.generate([p], {**SP, "return_logprob": True})[0] for p in PROMPTS]
+    assert [t for t, _ in pd] == [tuple(o["token_ids"]) for o in alone]
+    assert [lp for _, lp in pd] == [tuple(o["meta"]["logprobs"]) for o in alone]
+
+
+def test_radix_hits_and_concurrency_change_no_bit(stack) -> None:
+    pre, dec, col = stack
+    base = "shared system prompt for every turn of this chat " * 6
+    turn = base + " and now the second question"
+    cold = _bits(col.post("/generate", _body(turn)).json())
+    pd_generate(pre, dec, _body(base))  # both sides now hold the base
+    assert _bits(pd_generate(pre, dec, _body(turn))) == cold
+    with cf.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda i: _bits(pd_generate(pre, dec, _body(turn if i % 2 else PROMPTS[1]))), range(8)))
+    ref = _bits(col.post("/generate", _body(PROMPTS[1])).json())
+    assert got == [cold if i % 2 else ref for i in range(8)]
