@@ -141,3 +141,21 @@ def test_tiled_keeps_rows_and_accepts_strided_input() -> None:
 def test_refused_where_the_kernels_cannot_carry_it(model_path) -> None:
     with pytest.raises(ValueError, match="layer_ops=torch"):
         ModelRunner(model_path("tiny"), RunnerConfig(device="cpu", deterministic=True, layer_ops="torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_linear_rows_do_not_depend_on_the_thread_count(dtype) -> None:
+    """PD roles and colocated workers may run other thread counts (tandem up pins one core each)."""
+    g = torch.Generator().manual_seed(3)
+    pack = can_pack_linears(torch.device("cpu"), dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n, k, cols in ((960, 576, None), (3072, 576, None), (576, 1536, None), (10000, 576, 4096)):
+            lin = InvariantLinear((torch.randn(n, k, generator=g) * 0.05).to(dtype), None, 16, cols, pack)
+            x = torch.randn(40, k, generator=g).to(dtype)
+            torch.set_num_threads(2)
+            two = lin(x)
+            torch.set_num_threads(1)
+            assert torch.equal(lin(x), two), (n, k)
+    finally:
+        torch.set_num_threads(threads)

@@ -92,3 +92,19 @@ def test_up_defaults_to_the_real_model():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     first = next(line for line in readme.splitlines() if line.startswith("python3 -m venv"))
     assert first.endswith("&& tandem up")
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_deterministic_reaches_every_worker_yaml(tmp_path, colocated):
+    for on in (True, False):
+        comps = plan(_cfg(tmp_path, colocated=colocated, deterministic=on))
+        for c in comps[:-1]:
+            args = contract.parse_worker_argv(c.argv[len(PROGRAM) + 1:])
+            assert contract.EngineYaml.parse(c.files[args.config]).engine_args.get("deterministic", False) is on
+
+
+def test_up_flag_is_on_unless_refused():
+    from tandem.cli import build_parser
+
+    assert build_parser().parse_args(["up"]).deterministic is None  # decided by the device at start-up
+    assert build_parser().parse_args(["up", "--no-deterministic"]).deterministic is False
