@@ -38,10 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart", type=int, default=0, metavar="N", help="restart a dead component up to N times")
     p.add_argument("--no-pin", action="store_true",
                    help="don't give each worker its own cores (by default they are shared out, as pod CPU limits)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
-                   help="the same request always gets the same answer, whatever the cache holds (default: on for "
-                        "CPU workers, at ~0.8x decode and ~0.55x prefill speed; docs/engine.md, "
-                        "\"Deterministic mode\"); --no-deterministic for the default engine's speed")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="every worker in deterministic mode (CPU): a request's tokens do not depend on its batch "
+                        "or cache hits, at ~0.8x decode and ~0.55x prefill speed (docs/engine.md, "
+                        "\"Deterministic mode\")")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the first chat completion sent through the stack once it is up")
@@ -73,10 +73,6 @@ def _config(args: argparse.Namespace) -> UpConfig:
     as_path = Path(args.model)
     name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)
     deterministic = args.deterministic
-    if deterministic is None:  # on where the workers run on CPU: deterministic mode is CPU-only for now
-        import torch
-
-        deterministic = not torch.cuda.is_available()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
@@ -107,7 +103,7 @@ def banner(cfg: UpConfig, started: float) -> str:
         f"  endpoint  {base}/v1",
         f"  metrics   {base}/metrics   workers: {base}/workers",
         f"  run dir   {cfg.run_dir}  (stack.json: pids, URLs, command lines)",
-        f"  mode      {'deterministic: a repeated request gets the same answer' if cfg.deterministic else 'default'}",
+        *(["  mode      deterministic (docs/engine.md, \"Deterministic mode\")"] if cfg.deterministic else []),
         "Try:",
         f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json' -d '{body}'",
         f'  python -c "{py}"',
