@@ -110,11 +110,12 @@ class EngineConfig:
                 raise ValueError(f"dist_init_addr must be host:port with a port in 1024..{65535 - self.dp_size}")
         if self.base_gpu_id < 0:
             raise ValueError("base_gpu_id must be >= 0")
-        for switch in ("decode_tensor_cores", "decode_split_kv", "fused_rope_kv"):
-            value = getattr(self, switch)
-            if value is not None and not isinstance(value, bool):
-                # a quoted "false" in an engine YAML would otherwise read as true
-                raise ValueError(f"{switch} must be true, false or null, got {value!r}")
+        for f in dataclasses.fields(self):  # every switch: a quoted "false" in an engine YAML would read as true
+            value = getattr(self, f.name)
+            if str(f.type).startswith("bool") and not isinstance(value, bool) and not (
+                    value is None and "None" in str(f.type)):
+                allowed = "true, false or null" if "None" in str(f.type) else "true or false"
+                raise ValueError(f"{f.name} must be {allowed}, got {value!r}")
         if self.schedule_conservativeness <= 0:
             raise ValueError("schedule_conservativeness must be > 0")
         from tandem.engine.grammar.registry import BACKENDS  # torch-free at import: a dict of factories

@@ -74,25 +74,19 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_extend_kernel = shape_ok and cpu_kernels.enabled("extend_attention")
         self.use_decode_kernel = shape_ok and cpu_kernels.enabled("decode_attention")
         self.use_amx = True  # bf16 extend products on AMX tiles where the build has them
+        # The runner refused the mode where the extend kernel cannot run (ModelRunner._check_deterministic).
         self.deterministic = bool(getattr(ctx.config, "deterministic", False))
         if self.deterministic:
-            if not (shape_ok and cpu_kernels.available()):
-                why = cpu_kernels.unavailable_reason() or (
-                    f"head_dim {ctx.head_dim}, {ctx.num_heads} heads over {ctx.num_kv_heads} kv heads and "
-                    f"{str(ctx.kv_pool.dtype).removeprefix('torch.')} on {torch.device(ctx.device).type}")
-                raise ValueError("deterministic mode needs the CPU extend-attention kernel, which cannot run "
-                                 f"here: {why}")
             self.use_extend_kernel, self.use_decode_kernel, self.use_amx = True, False, False
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if self.deterministic:
-            batch.attn_metadata = self._all_rows_metadata(batch)
-            return
         table = self.ctx.req_to_token_pool.req_to_token
         rows = batch.req_pool_indices
+        # Deterministic mode: a decode is an extend of one token on its prefix, for the extend kernel.
+        n_ext = batch.batch_size if self.deterministic else batch.num_extend_reqs
         extends: list[_ExtendItem] = []
         start = 0
-        for i in range(batch.num_extend_reqs):
+        for i in range(n_ext):
             prefix, seq = batch.prefix_lens_cpu[i], batch.seq_lens_cpu[i]
             n = seq - prefix
             item = _ExtendItem(start, start + n, None, None)
@@ -102,10 +96,9 @@ class TorchAttentionBackend(AttentionBackend):
                 item.mask = torch.arange(seq, device=table.device)[None, :] <= q_pos[:, None]
             extends.append(item)
             start += n
-        n_dec = batch.batch_size - batch.num_extend_reqs
+        n_dec = batch.batch_size - n_ext
         meta = _Metadata(extends, start, n_dec)
         if extends and self.use_extend_kernel:
-            n_ext = batch.num_extend_reqs
             i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
             meta.extend_kernel_args = (
                 rows[:n_ext].to(torch.int64).contiguous(),
@@ -115,30 +108,17 @@ class TorchAttentionBackend(AttentionBackend):
             )
         if n_dec and self.use_decode_kernel:
             # views (no copy) when ForwardBatch.build made them: int64 rows, int32 lengths
-            meta.decode_rows = rows[batch.num_extend_reqs :].to(torch.int64).contiguous()
-            meta.decode_seq_lens = batch.seq_lens[batch.num_extend_reqs :].to(torch.int32).contiguous()
+            meta.decode_rows = rows[n_ext:].to(torch.int64).contiguous()
+            meta.decode_seq_lens = batch.seq_lens[n_ext:].to(torch.int32).contiguous()
         elif n_dec:
-            dec_lens = batch.seq_lens[batch.num_extend_reqs :]
-            max_len = max(batch.seq_lens_cpu[batch.num_extend_reqs :])
+            dec_lens = batch.seq_lens[n_ext:]
+            max_len = max(batch.seq_lens_cpu[n_ext:])
             cols = torch.arange(max_len, device=table.device)
             valid = cols[None, :] < dec_lens[:, None]
-            index = table[rows[batch.num_extend_reqs :], :max_len].to(torch.int64)
+            index = table[rows[n_ext:], :max_len].to(torch.int64)
             meta.decode_index = torch.where(valid, index, 0)  # pad -> reserved page 0
             meta.decode_mask = valid[:, None, None, :]
         batch.attn_metadata = meta
-
-    @staticmethod
-    def _all_rows_metadata(batch: ForwardBatch) -> _Metadata:
-        """Every request as an extend of the extend kernel, a decode as one new token on its prefix."""
-        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-        starts, start = [], 0
-        for n in batch.extend_lens_cpu:
-            starts.append(start)
-            start += n
-        meta = _Metadata([], start, 0)
-        meta.extend_kernel_args = (batch.req_pool_indices.to(torch.int64).contiguous(), i32(batch.prefix_lens_cpu),
-                                   i32(batch.extend_lens_cpu), i32(starts))
-        return meta
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

@@ -16,7 +16,7 @@ tensor, so their alignment is fixed too.
 
 What it costs (docs/benchmarks.md, "Deterministic mode"): small tiles keep decode at its
 speed and make large prefills pay for many calls; LAYER_ROWS balances the two on the shapes
-measured. The LM head runs on one row per request, so its tile is a decode-sized one.
+measured. The LM head also runs in blocks of its vocabulary rows (HEAD_COLS).
 """
 
 from __future__ import annotations
@@ -41,13 +41,9 @@ HEAD_COLS = 4096
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
-def tiled(fn: Matmul, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """fn over `x` in tiles of exactly `rows` rows; returns x's rows of the result."""
-    return _tiles([fn], x, rows)
-
-
-def _tiles(blocks: list[Matmul], x: torch.Tensor, rows: int) -> torch.Tensor:
-    """The column blocks' results side by side, each computed over `x` in tiles of `rows` rows."""
+def tiled(blocks: list[Matmul], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The column blocks' results side by side, each computed over `x` in tiles of exactly `rows`
+    rows; x's rows of the result."""
     n = x.shape[0]
     m = max(-(-n // rows), 1) * rows  # no rows: one tile of padding, sliced away
     if m != n or not x.is_contiguous():
@@ -80,7 +76,7 @@ class InvariantLinear(nn.Module):
             self._fns = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in zip(weights, biases)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _tiles(self._fns, x, self.rows)
+        return tiled(self._fns, x, self.rows)
 
 
 def make_batch_invariant(model: nn.Module, pack: bool, layer_rows: int = LAYER_ROWS,

@@ -76,7 +76,8 @@ class ModelRunner:
         pack = config.cpu_packed_linear and can_pack_linears(self.device, self.dtype)
         if config.deterministic:
             make_batch_invariant(self.model, pack)
-            tp.ordered_sums = True
+            if tp.size > 1:  # never the shared single-rank group
+                tp.ordered_sums = True
         elif pack:
             pack_linears(self.model)
         ops = layer_ops_choice.build(self._choose_layer_ops(), self.model, fall_back=config.layer_ops == "auto")
@@ -98,6 +99,9 @@ class ModelRunner:
         if not cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype):
             raise ValueError("deterministic mode needs the CPU layer ops, which do not handle this model's shapes "
                              "(hidden and intermediate sizes multiples of 16, head_dim of 32)")
+        if not cpu_kernels.supports(mc.head_dim, mc.num_heads, mc.num_kv_heads, self.dtype):
+            raise ValueError(f"deterministic mode needs the CPU extend-attention kernel, which does not handle "
+                             f"head_dim {mc.head_dim} with {mc.num_heads} heads over {mc.num_kv_heads} kv heads")
 
     def _choose_layer_ops(self) -> str:
         mc = self.model_config

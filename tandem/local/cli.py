@@ -72,14 +72,13 @@ def _config(args: argparse.Namespace) -> UpConfig:
     model = resolve_model(args.model)  # fetched, imported or built here once, not raced by every worker
     as_path = Path(args.model)
     name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)
-    deterministic = args.deterministic
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
                     prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
                     worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)),
                     cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))),
-                    random_weights=(Path(model) / "tandem_spec.json").is_file(), deterministic=deterministic)
+                    random_weights=(Path(model) / "tandem_spec.json").is_file(), deterministic=args.deterministic)
 
 
 def _shape(cfg: UpConfig) -> str:

@@ -23,6 +23,7 @@ HEADS, KV_HEADS, DIM = 8, 2, 64  # a head_dim every backend runs (FlashInfer has
 BACKENDS = [
     pytest.param("torch", "cpu", id="torch-cpu"),  # the fused paged kernels where they build
     pytest.param("torch-sdpa", "cpu", id="torch-cpu-sdpa"),  # the same backend, kernels off
+    pytest.param("torch-deterministic", "cpu", id="torch-cpu-deterministic"),  # every row through the extend kernel
     pytest.param("flashinfer", "cuda", id="flashinfer-cuda", marks=pytest.mark.gpu),
     pytest.param("torch", "cuda", id="torch-cuda-sdpa", marks=pytest.mark.gpu),  # what fp32 on CUDA runs
     # The FlashInfer backend's page tables and plans on CPU, over a stand-in for its kernels.
@@ -44,12 +45,12 @@ def mode_kind(mode: ForwardMode) -> str:
     return "decode" if mode == ForwardMode.DECODE else "prefill"
 
 
-def _ctx(device: str, page_size: int, dtype: torch.dtype) -> SimpleNamespace:
+def _ctx(device: str, page_size: int, dtype: torch.dtype, deterministic: bool = False) -> SimpleNamespace:
     return SimpleNamespace(
         req_to_token_pool=ReqToTokenPool(8, 256, device),
         kv_pool=TokenToKVPool(512 // page_size + 1, page_size, 1, KV_HEADS, DIM, dtype, device),
         device=torch.device(device), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-        scaling=DIM**-0.5, dtype=dtype, page_size=page_size, config=RunnerConfig(),
+        scaling=DIM**-0.5, dtype=dtype, page_size=page_size, config=RunnerConfig(deterministic=deterministic),
     )
 
 
@@ -76,7 +77,7 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, k
     dtype = torch.float32 if device == "cpu" and name != "flashinfer-fake" else torch.bfloat16
     torch.manual_seed(0)
     mode, reqs = CASES[case]
-    ctx = _ctx(device, page_size, dtype)
+    ctx = _ctx(device, page_size, dtype, deterministic=name.endswith("-deterministic"))
     if name == "flashinfer-fake":
         import fake_flashinfer
 
@@ -85,9 +86,9 @@ def test_attention_contract(name: str, device: str, page_size: int, case: str, k
         fake_flashinfer.install(monkeypatch)
         backend = FlashInferAttentionBackend(ctx)
     else:
-        backend = create_backend(name.removesuffix("-sdpa"), ctx)
+        backend = create_backend(name.removesuffix("-sdpa").removesuffix("-deterministic"), ctx)
     if name.endswith("-sdpa"):
-        backend.use_kernels = False
+        backend.use_extend_kernel = backend.use_decode_kernel = False
     alloc = ctx.kv_pool.allocator
     rows = ctx.req_to_token_pool.alloc(len(reqs))
     full_k, full_v, new_locs = [], [], []

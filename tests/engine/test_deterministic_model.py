@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tandem.engine.kernels import cpu_kernels
+from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.model_config import RunnerConfig
 from tandem.engine.models.batch_invariant import InvariantLinear, tiled
 from tandem.engine.models.layers import can_pack_linears
@@ -105,6 +105,18 @@ def test_every_way_of_computing_a_token_gives_the_same_bits(model_path, arch: st
     assert _differences(_ways(runner, _target(runner.vocab_size))) == []
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_avx2_cpu_gives_the_same_bits(model_path, plan_env, dtype: str) -> None:
+    """The plan of a CPU without AVX-512 (TANDEM_CPU_ISA=avx2): the AVX2 kernels, no oneDNN packing,
+    torch's own bf16 matmul inside the tiles."""
+    if "avx2" not in cpu_plan.levels_supported(cpu_plan.read_cpu_flags()):
+        pytest.skip("this CPU does not execute AVX2")
+    plan_env(TANDEM_CPU_ISA="avx2")
+    assert cpu_plan.current().level == "avx2" and not cpu_plan.current().pack_bf16_linears
+    runner = _runner(model_path("tiny"), dtype, deterministic=True)
+    assert _differences(_ways(runner, _target(runner.vocab_size))) == []
+
+
 def test_pages_of_16_give_the_same_bits(model_path) -> None:
     runner = _runner(model_path("tiny"), "bfloat16", deterministic=True, page_size=16)
     assert _differences(_ways(runner, _target(runner.vocab_size))) == []
@@ -134,8 +146,8 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype) -> None:
 def test_tiled_keeps_rows_and_accepts_strided_input() -> None:
     x = torch.randn(40, 24)[:, :16]  # not contiguous
     w = torch.randn(8, 16)
-    assert torch.allclose(tiled(lambda t: F.linear(t, w), x, 16), F.linear(x, w))
-    assert tiled(lambda t: F.linear(t, w), x[:0], 16).shape == (0, 8)
+    assert torch.allclose(tiled([lambda t: F.linear(t, w)], x, 16), F.linear(x, w))
+    assert tiled([lambda t: F.linear(t, w)], x[:0], 16).shape == (0, 8)
 
 
 def test_refused_where_the_kernels_cannot_carry_it(model_path) -> None:
@@ -159,3 +171,12 @@ def test_invariant_linear_rows_do_not_depend_on_the_thread_count(dtype) -> None:
             assert torch.equal(lin(x), two), (n, k)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_quoted_switch_is_refused_not_read_as_true() -> None:
+    from tandem.engine.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="deterministic must be true or false"):
+        EngineConfig(deterministic="false")
+    with pytest.raises(ValueError, match="disable_radix_cache must be true or false"):
+        EngineConfig(disable_radix_cache=1)
