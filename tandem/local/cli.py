@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="don't give each worker its own cores (by default they are shared out, as pod CPU limits)")
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="every worker in deterministic mode (CPU): a request's tokens do not depend on its batch "
-                        "or cache hits, at ~0.8x decode and ~0.55x prefill speed (docs/engine.md, "
+                        "or cache hits, at ~0.75x decode and ~0.5x prefill speed in bf16 (docs/engine.md, "
                         "\"Deterministic mode\")")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--no-check", action="store_true",
