@@ -18,6 +18,9 @@ from tandem.protocol import limits as L
 # Below this a temperature is greedy: 1 / temperature would overflow float32 to inf.
 GREEDY_TEMPERATURE = 1e-6
 CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")
+# Deterministic mode's seed for a request that names none (SGLang's default sampling seed): the same
+# request draws the same tokens, as greedy ones are the same. Choice i of n takes this seed + i.
+DETERMINISTIC_SEED = 42
 
 
 @dataclass(frozen=True)

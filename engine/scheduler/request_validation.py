@@ -12,7 +12,7 @@ import operator
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.runner.model_runner import ModelRunner
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import DETERMINISTIC_SEED, SamplingParams
 from tandem.engine.scheduler.req import Req
 from tandem.protocol import limits as L
 from tandem.protocol.messages import GenerateReq, ReqOutput
@@ -32,8 +32,11 @@ def build_req(msg: GenerateReq, runner: ModelRunner, config: EngineConfig,
     n = len(msg.input_ids) if isinstance(msg.input_ids, list) else 0
     if in_use:
         return None, _error(msg.rid, f"request id {msg.rid!r} is already in use", n)
+    sampling = msg.sampling
+    if config.deterministic and "seed" not in sampling:  # else a random seed: another draw every time
+        sampling = {**sampling, "seed": DETERMINISTIC_SEED}
     try:
-        params = SamplingParams.make(**msg.sampling)
+        params = SamplingParams.make(**sampling)
     except (TypeError, ValueError) as exc:
         return None, _error(msg.rid, f"invalid sampling parameters: {exc}", n)
     try:

@@ -38,10 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart", type=int, default=0, metavar="N", help="restart a dead component up to N times")
     p.add_argument("--no-pin", action="store_true",
                    help="don't give each worker its own cores (by default they are shared out, as pod CPU limits)")
-    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
-                   help="every worker in deterministic mode (CPU): a request's tokens do not depend on its batch "
-                        "or cache hits, at ~0.75x decode and ~0.5x prefill speed in bf16 (docs/engine.md, "
-                        "\"Deterministic mode\")")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="every worker in deterministic mode: a request gets the same answer whatever its batch "
+                        "and cache hits, and one without a seed a fixed one (default: on where the workers run on "
+                        "CPU, at ~0.75x decode and ~0.5x prefill speed in bf16; docs/engine.md, "
+                        "\"Deterministic mode\"); --no-deterministic for the default engine's speed")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the first chat completion sent through the stack once it is up")
@@ -72,13 +73,18 @@ def _config(args: argparse.Namespace) -> UpConfig:
     model = resolve_model(args.model)  # fetched, imported or built here once, not raced by every worker
     as_path = Path(args.model)
     name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)
+    deterministic = args.deterministic
+    if deterministic is None:  # the mode runs on CPU only (docs/engine.md)
+        import torch
+
+        deterministic = not torch.cuda.is_available()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
                     prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
                     worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)),
                     cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))),
-                    random_weights=(Path(model) / "tandem_spec.json").is_file(), deterministic=args.deterministic)
+                    random_weights=(Path(model) / "tandem_spec.json").is_file(), deterministic=deterministic)
 
 
 def _shape(cfg: UpConfig) -> str:

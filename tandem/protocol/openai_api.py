@@ -142,14 +142,17 @@ class SamplingFields(Bootstrap):
         """(field, schema, its text when the client sent one)."""
         return _string_schemas(self.json_schema, "json_schema")
 
-    def sampling(self, max_new_tokens: int, index: int, top_logprobs: int | None) -> dict[str, Any]:
-        """Engine SamplingParams kwargs for choice `index` (each choice of n gets its own seed)."""
+    def sampling(self, max_new_tokens: int, index: int, top_logprobs: int | None,
+                 default_seed: int | None = None) -> dict[str, Any]:
+        """Engine SamplingParams kwargs for choice `index` (each choice of n gets its own seed);
+        `default_seed` stands in for a seed the body does not name (deterministic mode's)."""
         sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos}
         for name in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids"):
             if getattr(self, name) is not None:
                 sp[name] = getattr(self, name)
-        if self.seed is not None:
-            sp["seed"] = (self.seed + index) % 2**31
+        seed = self.seed if self.seed is not None else default_seed
+        if seed is not None:
+            sp["seed"] = (seed + index) % 2**31
         if top_logprobs is not None:
             sp["return_logprob"], sp["top_logprobs_num"] = True, top_logprobs
         sp.update(dict(self.constraint_sources.values()))

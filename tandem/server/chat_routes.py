@@ -51,7 +51,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     ids = await rt.tokens.chat_ids(body.template_messages(), body.template_tools())
     budget = rt.tokens.max_new_tokens(len(ids), body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    choices = open_choices(rt.front, rt.tokens, [(ids, body.sampling(budget, i, top)) for i in range(body.n)],
+    jobs = [(ids, body.sampling(budget, i, top, rt.default_seed)) for i in range(body.n)]
+    choices = open_choices(rt.front, rt.tokens, jobs,
                            skip_special_tokens=body.skip_special_tokens, bootstrap=body)
     parsers = [assistant_parser(body, rt.tool_format, rt.config.reasoning_parser) for _ in choices]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": rt.config.served_model_name}

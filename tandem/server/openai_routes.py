@@ -60,7 +60,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         budget = rt.tokens.max_new_tokens(len(ids), body.max_tokens)
         echo = (prompt if isinstance(prompt, str) else rt.tokens.decode(ids)) if body.echo else ""
         for i in range(body.n):
-            jobs.append((ids, body.sampling(budget, i, body.logprobs)))
+            jobs.append((ids, body.sampling(budget, i, body.logprobs, rt.default_seed)))
             echoes.append(echo)
     choices = open_choices(rt.front, rt.tokens, jobs, skip_special_tokens=body.skip_special_tokens, bootstrap=body)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.sampling_params import DETERMINISTIC_SEED
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
@@ -24,6 +25,11 @@ class Runtime:
     tool_format: str = DEFAULT_FORMAT  # the model's tool-call format (tools/registry.py)
     started: int = field(default_factory=lambda: int(time.time()))
     ready: bool = False
+
+    @property
+    def default_seed(self) -> int | None:
+        """The seed of a choice whose body names none: deterministic mode's, else None (a random one)."""
+        return DETERMINISTIC_SEED if self.config.engine.deterministic else None
 
     def check_bootstrap(self, body: Any) -> None:
         """A prefill worker serves only disaggregated requests."""

@@ -95,3 +95,17 @@ def test_a_second_turn_reusing_decoded_kv_equals_it_recomputed(engine, reference
     recomputed = _key(cold.generate([prompt], GREEDY)[0])
     assert warm.generate([prompt], GREEDY)[0]["meta"]["cached_tokens"] >= len(prompt) - 4
     assert (reused == recomputed) is deterministic
+
+
+def test_an_unseeded_sampled_request_draws_the_same_tokens_again(engine, reference) -> None:
+    """Without a seed a request gets a random one, and another answer each time; deterministic mode
+    gives it a fixed seed (DETERMINISTIC_SEED), so the newcomer's repeated question repeats its answer."""
+    targets, others, _ = reference
+    unseeded = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+    eng = engine("tiny", **BASE, disable_overlap_schedule=True)
+    first = eng.generate([targets[1]], unseeded)[0]["token_ids"]
+    assert eng.generate([targets[1]], unseeded)[0]["token_ids"] == first  # from the cache this time
+    assert eng.generate(others[:2] + [targets[1]], unseeded)[2]["token_ids"] == first
+    default = engine("tiny", **{**BASE, "deterministic": False})
+    draws = {tuple(default.generate([targets[1]], unseeded)[0]["token_ids"]) for _ in range(3)}
+    assert len(draws) > 1  # the default mode draws anew

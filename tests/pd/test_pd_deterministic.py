@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import pytest
-from pd_client import pd_generate
+from pd_client import pd_generate, pd_post
 from worker_process import Worker, running
 
 from tandem import Engine
@@ -68,3 +68,19 @@ def test_radix_hits_and_concurrency_change_no_bit(stack) -> None:
         got = list(ex.map(lambda i: _bits(pd_generate(pre, dec, _body(turn if i % 2 else PROMPTS[1]))), range(8)))
     ref = _bits(col.post("/generate", _body(PROMPTS[1])).json())
     assert got == [cold if i % 2 else ref for i in range(8)]
+
+
+def test_an_unseeded_chat_repeats_its_answer_and_choices_differ(stack) -> None:
+    """The README's tour asks through the openai client with its default temperature (1) and no seed."""
+    pre, dec, col = stack
+    body = {"model": "tiny", "max_tokens": 12, "n": 2, "messages": [{"role": "user", "content": "capital of France?"}]}
+
+    def ask(through_pd: bool) -> list[str]:
+        r = pd_post(pre, dec, "/v1/chat/completions", body)[1] if through_pd else col.post("/v1/chat/completions",
+                                                                                           body)
+        assert r.status_code == 200, r.text
+        return [c["message"]["content"] for c in r.json()["choices"]]
+
+    first = ask(True)
+    assert ask(True) == first and ask(False) == first
+    assert first[0] != first[1]  # choice i draws with seed + i

@@ -103,8 +103,8 @@ def test_deterministic_reaches_every_worker_yaml(tmp_path, colocated):
             assert contract.EngineYaml.parse(c.files[args.config]).engine_args.get("deterministic", False) is on
 
 
-def test_up_flag_is_off_unless_asked():
+def test_up_flag_is_on_unless_refused():
     from tandem.cli import build_parser
 
-    assert build_parser().parse_args(["up"]).deterministic is False
-    assert build_parser().parse_args(["up", "--deterministic"]).deterministic is True
+    assert build_parser().parse_args(["up"]).deterministic is None  # decided by the device at start-up
+    assert build_parser().parse_args(["up", "--no-deterministic"]).deterministic is False
