@@ -26,4 +26,4 @@ def model_id(model_path: str) -> str:
 def identity_of(runner: Any, model_path: str) -> Identity:
     layout = runner.kv_pool.layout()
     return Identity(PD_VERSION, model_id(model_path), layout.dtype, layout.page_size, layout.num_layers,
-                    layout.total_heads, layout.head_dim)
+                    layout.total_heads, layout.head_dim, bool(runner.config.deterministic))

@@ -34,7 +34,8 @@ from tandem.pd.schema import Spec, boolean, int_list, list_of, one_of, record, t
 #    total_kv_heads), and the identity's num_kv_heads is the model's, not one rank's
 # 4: Hello and Welcome carry every TP rank's half (`ranks`): each rank is its own NIXL agent
 # 5: KVDest carries the staging pages decode reserved for head slices it scatters (`staging`)
-PD_VERSION = 5
+# 6: the identity says whether the worker runs deterministic mode (`deterministic`)
+PD_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -49,6 +50,9 @@ class Identity:
     num_layers: int
     num_kv_heads: int  # the model's (all TP ranks together): a rank's share is in its KVLayout
     head_dim: int
+    # Deterministic mode on both roles, or on neither: under a default-mode decode a deterministic
+    # prefill's request would lose its guarantee after the first token, silently.
+    deterministic: bool = False
 
     def mismatch(self, other: Identity) -> list[str]:
         return [f"{k}: {a!r} != {b!r}" for k, a, b in
@@ -148,7 +152,8 @@ MAX_TP_RANKS = 64  # a worker's TP ranks: bounds a handshake's `ranks` (and head
 _count, _positive = uint(COUNT_LIMIT), uint(COUNT_LIMIT, lo=1)
 _heads, _some_heads = uint(MAX_KV_HEADS), uint(MAX_KV_HEADS, lo=1)
 _IDENTITY = record({"version": _count, "model_id": text(MAX_NAME), "dtype": text(32), "page_size": _positive,
-                    "num_layers": _positive, "num_kv_heads": _some_heads, "head_dim": _positive}, may_be_empty=True)
+                    "num_layers": _positive, "num_kv_heads": _some_heads, "head_dim": _positive,
+                    "deterministic": boolean}, may_be_empty=True)
 
 
 def _heads_fit(layout: dict[str, Any]) -> bool:

@@ -243,7 +243,7 @@ def test_a_tp_layout_crosses_the_handshake_and_old_layout_dicts_still_load() -> 
     assert isinstance(msg, pd.Hello) and KVLayout(**msg.layout).heads == (2, 4)
     old = {k: v for k, v in msg.layout.items() if k not in ("head_start", "total_kv_heads")}
     assert KVLayout(**old).heads == (0, 2) and KVLayout(**old).total_heads == 2  # no TP: all of them
-    assert pd.PD_VERSION == 5
+    assert pd.PD_VERSION >= 5  # the version that brought head ranges, or a later one
 
 
 small_or_huge = st.integers(0, 8) | st.integers(0, 2**70)

@@ -8,6 +8,7 @@ import concurrent.futures as cf
 
 import pytest
 from pd_client import pd_generate, pd_post
+from waits import wait_until
 from worker_process import Worker, running
 
 from tandem import Engine
@@ -84,3 +85,18 @@ def test_an_unseeded_chat_repeats_its_answer_and_choices_differ(stack) -> None:
     first = ask(True)
     assert ask(True) == first and ask(False) == first
     assert first[0] != first[1]  # choice i draws with seed + i
+
+
+def test_a_decode_not_in_the_mode_is_refused_at_the_handshake(stack, model_path) -> None:
+    """Under a default-mode decode the guarantee would end after the first token, silently."""
+    pre = stack[0]
+    plain = tuple(f for f in FLAGS if f != "--deterministic")
+    bad = Worker.decode(model_path("tiny"), *plain, peers=[pre])
+    try:
+        wait_until(lambda: "handshake refused: mismatch in deterministic" in bad.output(), 120,
+                   "the decode's refused handshake", interval=0.2)
+        p, d = pd_post(pre, bad, "/generate", _body("mismatch"))
+        assert d.status_code == 503 and "deterministic" in d.json()["error"]["message"], d.text
+        assert bad.pool()["whole"], bad.output()
+    finally:
+        bad.stop()
