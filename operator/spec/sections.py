@@ -13,6 +13,7 @@ from typing import Any
 from tandem.operator import names
 from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
 from tandem.operator.spec.pd_ratio import ratio_feasible
+from tandem.operator.spec.spec_schema import ENGINE
 
 GPU = "nvidia.com/gpu"
 DEFAULT_TARGETS = {"queueDepth": 4.0, "kvUtilization": 0.75}
@@ -233,8 +234,14 @@ def parse_slo(raw: dict[str, Any], errors: list[str]) -> SloSpec:
     )
 
 
+# The switches among them, as the CRD types them: a CR that skipped admission may hold "false".
+ENGINE_SWITCHES = tuple(k for k, v in ENGINE["properties"].items() if v.get("type") == "boolean")
+
+
 def parse_engine_args(raw: dict[str, Any], errors: list[str]) -> dict[str, Any]:
     args = {ENGINE_ARG_NAMES[key]: value for key, value in raw.items() if key in ENGINE_ARG_NAMES}
+    errors += [f"spec.engine.{key} must be true or false, not {raw[key]!r:.40}"
+               for key in ENGINE_SWITCHES if key in raw and not isinstance(raw[key], bool)]
     unknown = sorted(set(raw) - set(ENGINE_ARG_NAMES) - {"extra"})
     if unknown:
         errors.append(f"spec.engine has unknown fields {unknown}; put other engine args under engine.extra")

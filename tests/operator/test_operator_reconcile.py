@@ -226,6 +226,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "latency without slo": ({"autoscaling": {"enabled": True, "prefill": {"signal": "ttftP95"}}}, "spec.slo"),
     "ports overlap": ({"kvTransfer": {"portBase": 7990, "portCount": 20}}, "overlaps"),
     "unknown engine arg": ({"engine": {"pageSzie": 16}}, "unknown fields"),
+    "quoted engine switch": ({"engine": {"deterministic": "false"}}, "deterministic must be true or false"),
     "both rollout zero": ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "cannot both be 0"),
 }
 
