@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.model_config import RunnerConfig
 
 # Every test runs once per kernel level this CPU executes (conftest.kernel_level): the
 # AVX-512, AVX2 and plain-lane forms must each match the dense reference.
@@ -180,6 +181,7 @@ def test_backend_kernel_matches_gather_path(page_size):
         scaling=dim**-0.5,
         dtype=dtype,
         page_size=page_size,
+        config=RunnerConfig(),
     )
     fused, gather = TorchAttentionBackend(ctx), TorchAttentionBackend(ctx)
     assert fused.use_extend_kernel and fused.use_decode_kernel

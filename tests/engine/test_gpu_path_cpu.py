@@ -55,7 +55,7 @@ def test_explicit_flashinfer_that_cannot_run_is_refused_at_start(device, dtype, 
 
 def test_fp32_cuda_runner_context_builds_the_sdpa_backend() -> None:
     ctx = SimpleNamespace(device=torch.device("cuda"), kv_pool=SimpleNamespace(dtype=FP32), head_dim=64,
-                          num_heads=4, num_kv_heads=2)
+                          num_heads=4, num_kv_heads=2, config=RunnerConfig())
     assert isinstance(create_backend("auto", ctx), TorchAttentionBackend)
     with pytest.raises(ValueError, match="float32"):
         create_backend("flashinfer", ctx)
