@@ -94,7 +94,7 @@ def build(model: str, max_bs: int, context: int, patch: Any) -> Any:
     from tandem.engine.modelgen.resolve import resolve_model
     from tandem.engine.runner.cuda_graph_runner import CudaGraphRunner
     from tandem.engine.runner.model_runner import ModelRunner
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.build import build_scheduler
 
     fake_flashinfer.install(patch)
     # Off the CPU the request-row table keeps a host mirror, and the scheduler writes the mirror:
@@ -113,7 +113,7 @@ def build(model: str, max_bs: int, context: int, patch: Any) -> Any:
     runner.graph_runner = CudaGraphRunner(runner, max_bs, capture=NoReplay())
     outs: queue.SimpleQueue = queue.SimpleQueue()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    sched = Scheduler(config, runner, runner.memory, inbox, outs.put, lambda: None)
+    sched = build_scheduler(config, runner, runner.memory, inbox, outs.put, lambda: None)
     return sched, inbox, outs
 
 
@@ -199,7 +199,10 @@ def steady_decode(batch: int, steps: int, context: int, model: str, max_bs: int,
 
     if count:  # modes are per thread: the scheduler's loop and each forward on the forward thread
         sched.worker.forward_batch_generation = counted(sched.worker.forward_batch_generation)
-    thread = threading.Thread(target=counted(sched.run) if count else sched.run, name="scheduler", daemon=True)
+    from tandem.engine.scheduler.event_loops import run as run_loop
+
+    loop = functools.partial(run_loop, sched)
+    thread = threading.Thread(target=counted(loop) if count else loop, name="scheduler", daemon=True)
     thread.start()
     tokens = start = 0
     wall0 = cpu0 = 0.0

@@ -8,26 +8,23 @@ from typing import TYPE_CHECKING
 
 from tandem.decode.incoming import Incoming
 from tandem.decode.staging import ScatterStaging
-from tandem.engine.scheduler.prefill_adder import reserved_tokens
 from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.pd.transfer.head_map import Staging
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.role_part import Host
 
 
-def reserve_room(sched: Scheduler, slots: FirstTokenSlots, staging: ScatterStaging, plan: Staging,
+def reserve_room(host: Host, slots: FirstTokenSlots, staging: ScatterStaging, plan: Staging,
                  inc: Incoming) -> bool:
     """Take the room for `inc` (its prefix matched by the caller, locked here), recorded in
     inc.slot, inc.pages and inc.staging; False, taking nothing, while the pool is short."""
-    req, cache, cfg = inc.req, sched.cache, sched.config
+    req, cache, cfg = inc.req, host.cache, host.config
     P, n, skip = cache.page_size, len(req.origin_input_ids), len(req.prefix_indices)
-    ratio = sched.decode.new_token_ratio
-    reserve = reserved_tokens(sched.decode.reqs, ratio, cfg.clip_max_new_tokens)
-    pages = cache.allocator.pages_needed(skip, n - skip)
+    pages = cache.pages_needed(skip, n - skip)
     need = ((pages + staging.pages_needed(plan, pages)) * P
-            + min(req.sampling_params.max_new_tokens, cfg.clip_max_new_tokens) * ratio)
-    if cache.available_tokens() - reserve < need or not slots.free or cache.req_to_token_pool.available_size() == 0:
+            + min(req.sampling_params.max_new_tokens, cfg.clip_max_new_tokens) * host.new_token_ratio)
+    if host.kv_headroom() < need or not slots.free or cache.free_rows() == 0:
         return False
     cache.lock(req.last_node)
     taken = cache.alloc_extend([req])

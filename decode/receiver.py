@@ -19,8 +19,13 @@ radix cache first and prefill sends only the pages from the first uncached one. 
 prefill writes is checked before use: notifications (arrival.py) and the first token. Head
 slices it holds more of than a prefill rank arrive in staging pages (decode/staging.py).
 
+A request in a room moves only through the engine's host: `queue_prefill` (prefilled here),
+`join_decoding` (its KV arrived) or `retire` (it failed: its reserved pages are discarded, never
+cached; or it was cancelled mid-transfer: retired with its pages held until prefill answers,
+then `release_held` discards them).
+
 Tensor parallelism: every rank runs this part alike (rank 0's control messages reach the
-others in the tick; its clock is `sched.now`). Each rank's shard is written by the prefill
+others in the tick; its clock is `host.now`). Each rank's shard is written by the prefill
 ranks head_map pairs it with, each notifying per chunk; a room joins the running batch once
 it has fully arrived on every rank (tandem/pd/agree.py).
 """
@@ -34,12 +39,11 @@ from typing import TYPE_CHECKING, Any
 from tandem.decode.allowlist import Allowlist, Verdict
 from tandem.decode.arrival import Arrival
 from tandem.decode.incoming import Incoming, Stage
-from tandem.decode.join import start_decoding
 from tandem.decode.peers import PrefillPeers
 from tandem.decode.prealloc import reserve_room
 from tandem.decode.staging import ScatterStaging
-from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
-from tandem.engine.scheduler.schedule_batch import ScheduleBatch
+from tandem.engine.scheduler.req import FinishReason, KVFate, Req, finish_abort
+from tandem.engine.scheduler.role_part import Admission
 from tandem.pd import protocol as pd
 from tandem.pd.agree import Agreement
 from tandem.pd.control.channel import PeerDown, PeerMsg
@@ -48,7 +52,8 @@ from tandem.pd.transfer.first_token import FirstTokenSlots
 from tandem.protocol.messages import GenerateReq
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.role_part import Host
+    from tandem.engine.scheduler.schedule_batch import ScheduleBatch
     from tandem.pd.transfer.contract import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -60,14 +65,14 @@ class DecodeReceiver:
     contiguous_pages = True  # arriving KV lands in runs of pages: fewer transfer descriptors
     tick_codec = TICK_CODEC
 
-    def __init__(self, sched: Scheduler, transfer: KVTransfer, peers: PrefillPeers, slots: FirstTokenSlots,
+    def __init__(self, host: Host, transfer: KVTransfer, peers: PrefillPeers, slots: FirstTokenSlots,
                  allow: Allowlist) -> None:
-        self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
+        self.host, self.cfg, self.cache = host, host.config, host.cache
         self.transfer, self.peers, self.slots, self.allow = transfer, peers, slots, allow
         self.arrival = Arrival(peers)
         self.staging = ScatterStaging(self.cache)
-        self.agree = Agreement(sched.tp)
-        self.vocab_size = sched.runner.vocab_size
+        self.agree = Agreement(host.tp)
+        self.vocab_size = host.vocab_size
         self.queue: deque[Incoming] = deque()  # resolving + bootstrap + prealloc, in arrival order
         self.rooms: dict[int, Incoming] = {}
         self.by_rid: dict[str, Incoming] = {}
@@ -77,27 +82,26 @@ class DecodeReceiver:
         self.on_message = {pd.Welcome: self.on_welcome, pd.KVCancel: self.on_cancel,
                            pd.KVCancelled: self.on_cancelled}
         # The configured peers' handshakes start at the first poll, not here: a peer's age
-        # must come from the tick's clock (sched.now), or the ranks would time it out apart.
+        # must come from the tick's clock (host.now), or the ranks would time it out apart.
 
     # ---- requests ---------------------------------------------------------------------------------
-    def admit(self, req: Req, msg: GenerateReq) -> bool:
+    def admit(self, req: Req, msg: GenerateReq) -> Admission | FinishReason:
         if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
-            return False  # no prefill named: prefill here
-        inc = Incoming(req, msg.bootstrap_room, "", self.sched.now, Stage.RESOLVING, msg.bootstrap_host,
+            return Admission.LOCAL  # no prefill named: prefill here
+        if msg.bootstrap_room in self.rooms:
+            return finish_abort(f"bootstrap_room {msg.bootstrap_room} is already in use")
+        inc = Incoming(req, msg.bootstrap_room, "", self.host.now, Stage.RESOLVING, msg.bootstrap_host,
                        msg.bootstrap_port)
-        if inc.room in self.rooms:
-            self._fail(inc, f"bootstrap_room {inc.room} is already in use")
-            return True
         self.rooms[inc.room], self.by_rid[req.rid] = inc, inc
         self.queue.append(inc)
         self._place([inc])
-        return True
+        return Admission.HELD
 
     def _place(self, incs: list[Incoming]) -> None:
         """Start the handshake with each request's prefill if decode may talk to it (allowlist.py);
         a PENDING one is placed again at the next poll. Under TP rank 0's verdicts hold on every
         rank (a collective): DNS answers each rank at its own moment."""
-        for inc, (verdict, key) in zip(incs, self.allow.agreed([(i.host, i.port) for i in incs], self.sched.tp)):
+        for inc, (verdict, key) in zip(incs, self.allow.agreed([(i.host, i.port) for i in incs], self.host.tp)):
             if verdict is Verdict.REFUSED:
                 self.stats["refused_addresses"] += 1
                 self._fail(inc, self.allow.refusal(inc.host, inc.port), status=400)
@@ -146,8 +150,23 @@ class DecodeReceiver:
     def on_batch_done(self, batch: ScheduleBatch) -> None:
         """Nothing: a transferred request joins the running batch from poll."""
 
-    def release(self, req: Req) -> bool:
-        return False  # a decoded request's KV goes back to the cache at once
+    def on_retire(self, req: Req) -> bool:
+        """A request that joined the running batch is the engine's: its KV is released at once.
+        One still in a room is ended by this part (retire from _fail or _cancel), except at the
+        engine's shutdown: then it ends as a client's abort would, its pages held if prefill may
+        still write them."""
+        inc = self.by_rid.get(req.rid)
+        if inc is None:
+            return False
+        if inc.stage in (Stage.TRANSFER, Stage.CANCELLING):
+            if inc.stage == Stage.TRANSFER:
+                self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode is shutting down"))
+                inc.stage, inc.since = Stage.CANCELLING, self.host.now
+            return True  # _fail releases the pages (discarded) once prefill has let go of them
+        if inc in self.queue:
+            self.queue.remove(inc)
+        self._forget(inc)
+        return False
 
     def poll(self) -> None:
         self.peers.channel.check()  # a dead control thread stops the scheduler: liveness fails
@@ -213,17 +232,17 @@ class DecodeReceiver:
         self._forget(inc)
         self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode prefills it (conditional disaggregation)"))
         self.stats["local_prefills"] += 1
-        self.sched.prefill.add(inc.req)
+        self.host.queue_prefill(inc.req)
 
     def _reserve(self, inc: Incoming) -> bool:
         req = inc.req
         n = len(req.origin_input_ids)
-        if not reserve_room(self.sched, self.slots, self.staging, self.peers.link(inc.peer).staging, inc):
+        if not reserve_room(self.host, self.slots, self.staging, self.peers.link(inc.peer).staging, inc):
             return False  # the pool is short: wait
         skip = len(req.prefix_indices)
         self.peers.channel.send(inc.peer, pd.KVDest(inc.room, inc.pages, skip, inc.slot, n, inc.staging))
         self.stats["reused_tokens"] += skip
-        inc.stage, inc.since = Stage.TRANSFER, self.sched.now
+        inc.stage, inc.since = Stage.TRANSFER, self.host.now
         self.queue.remove(inc)
         return True
 
@@ -239,10 +258,10 @@ class DecodeReceiver:
             return
         self._forget(inc)
         self.stats["transferred"] += 1
-        start_decoding(self.sched, req, token, logprob, top)
+        self.host.join_decoding(req, token, logprob, top)
 
     def _expire(self) -> None:
-        now, cfg = self.sched.now, self.cfg
+        now, cfg = self.host.now, self.cfg
         for key in self.peers.expired():
             self.peers.drop(key)
             for inc in [i for i in self.queue if i.peer == key and i.stage == Stage.BOOTSTRAP]:
@@ -267,27 +286,22 @@ class DecodeReceiver:
                 self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
             return
         self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, why))
-        self._finish(inc.req, why)
-        inc.stage, inc.since = Stage.CANCELLING, self.sched.now
+        inc.stage, inc.since = Stage.CANCELLING, self.host.now
+        self.host.retire(inc.req, finish_abort(why, 503), KVFate.HOLD)
 
     def _fail(self, inc: Incoming, why: str, status: int = 503) -> None:
-        """The room is over: free what it holds, finish the request with `why` if it runs
-        (a PD fault is 503, retryable by a router; a bad request 400)."""
+        """The room is over: its pages are discarded (never cached: prefill may have written
+        them partly) and the request ends with `why` if it runs (a PD fault is 503, retryable
+        by a router; a bad request 400), or settles if _cancel ended it already."""
         if inc in self.queue:
             self.queue.remove(inc)
-        if inc.req.req_pool_idx is not None:
-            self.cache.discard(inc.req)
         self._forget(inc)
         if why:
             self.stats["failed"] += 1
-        self._finish(inc.req, why, status)
-        self.sched.reqs.pop(inc.req.rid, None)
-
-    def _finish(self, req: Req, why: str, status: int = 503) -> None:
-        if not req.finished():
-            req.finished_reason = finish_abort(why, status)
-            req.status = ReqStatus.FINISHED
-            self.sched.output.stream([req])
+        if inc.req.finished():
+            self.host.release_held(inc.req, KVFate.DISCARD)
+        else:
+            self.host.retire(inc.req, finish_abort(why, status), KVFate.DISCARD)
 
     def _forget(self, inc: Incoming) -> None:
         if inc.slot is not None:

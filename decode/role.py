@@ -12,15 +12,13 @@ from tandem.pd.parts import transfer_parts
 from tandem.worker_contract import DECODE
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.role_part import Host
 
 
-def attach(sched: Scheduler, model_path: str) -> DecodeReceiver:
-    cfg = sched.config
+def attach(host: Host, model_path: str) -> DecodeReceiver:
+    cfg = host.config
     addresses = parse_peers(cfg.pd_prefill_peers)  # a bad entry fails the start-up, before any socket
-    parts = transfer_parts(sched, model_path, DECODE)
+    parts = transfer_parts(host, model_path, DECODE)
     parts.channel.start()
-    peers = PrefillPeers(parts, cfg.pd_bootstrap_timeout, [a.key for a in addresses], lambda: sched.now)
-    part = DecodeReceiver(sched, parts.transfer, peers, parts.slots, Allowlist(addresses))
-    sched.attach(part)
-    return part
+    peers = PrefillPeers(parts, cfg.pd_bootstrap_timeout, [a.key for a in addresses], lambda: host.now)
+    return DecodeReceiver(host, parts.transfer, peers, parts.slots, Allowlist(addresses))

@@ -17,16 +17,13 @@ import threading
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.engine.detokenizer import TextStream
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.launch import InProcessScheduler, SchedulerClient
 from tandem.engine.request_handle import RequestHandle
 from tandem.protocol.messages import AbortReq, AdminResult, FlushCacheReq, GenerateReq, ReqOutput, StatusReq
-
-if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
 
 Prompt = str | list[int]
 
@@ -195,9 +192,10 @@ class Engine:
         return self._backend
 
     @property
-    def scheduler(self) -> Scheduler:
+    def scheduler(self) -> Any:
         """The in-process Scheduler (dp_size 1), for tests and tools that read its state or
-        instrument its loop. DP ranks run in their own processes, out of reach."""
+        instrument its loop (untyped: its insides are engine/scheduler/'s own, no API). DP
+        ranks run in their own processes, out of reach."""
         sched = getattr(self._backend, "scheduler", None)
         if sched is None:
             raise RuntimeError("no in-process scheduler: dp_size > 1, or the engine was shut down")

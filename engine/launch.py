@@ -49,7 +49,7 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
     from transformers import AutoTokenizer
 
     from tandem.engine.runner.model_runner import ModelRunner
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.build import build_scheduler as assemble
 
     tokenizer: list[Any] = []
     lock = threading.Lock()
@@ -72,10 +72,7 @@ def build_scheduler(config: EngineConfig, model_path: str, inbox: Any, emit: Emi
     runner = ModelRunner(model_path, dataclasses.replace(config.runner_config(), device=device), tp)
     memory = runner.size_kv_memory()
     runner.attach(memory)
-    sched = Scheduler(config, runner, memory, inbox, emit, get_tokenizer, dp_rank=dp_rank)
-    if attach is not None:
-        attach(sched, model_path)
-    return sched
+    return assemble(config, runner, memory, inbox, emit, get_tokenizer, dp_rank, model_path, attach)
 
 
 def scheduler_info(sched: Any) -> dict[str, Any]:
@@ -103,8 +100,10 @@ class InProcessScheduler:
 
     def _run(self) -> None:
         try:
+            from tandem.engine.scheduler.event_loops import run
+
             bind_device(self.info["device"])
-            self.scheduler.run()
+            run(self.scheduler)
         except BaseException as exc:  # surfaced to callers through `error`
             self.error = exc
             raise
@@ -220,7 +219,9 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
         if leader:
             serve_inbox(pull, inbox)
             push.send_multipart([encode(AdminResult(f"ready-{rank}", True, scheduler_info(sched)))])
-        sched.run()
+        from tandem.engine.scheduler.event_loops import run
+
+        run(sched)
     except BaseException as exc:  # a fault batch_faults.py does not contain: this worker must go
         fatal = AdminResult(f"{FATAL}{who}", False, {"error": f"{type(exc).__name__}: {exc}"})
         try:

@@ -10,16 +10,16 @@ from tandem.prefill.sender import PrefillSender
 from tandem.worker_contract import PREFILL
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.role_part import Host
 
 
-def attach(sched: Scheduler, model_path: str) -> PrefillSender:
-    cfg = sched.config
+def attach(host: Host, model_path: str) -> PrefillSender:
+    cfg = host.config
     if cfg.dp_size > 1:
         raise ValueError("a prefill worker runs dp_size 1 (scale prefill with more workers)")
-    parts = transfer_parts(sched, model_path, PREFILL)
+    parts = transfer_parts(host, model_path, PREFILL)
     parts.channel.bind(f"tcp://{cfg.pd_bootstrap_host}:{cfg.pd_bootstrap_port}")
-    part = PrefillSender(sched, parts)
-    sched.attach(part)
+    part = PrefillSender(host, parts)
+    # Its messages wait in the inbox until the scheduler, with the part attached, runs.
     parts.channel.start()
     return part

@@ -11,12 +11,14 @@ A request's life on prefill (one `Outgoing` per bootstrap room):
 
 The scheduler runs as colocated, with max_new_tokens forced to 1; this part takes the
 requests it admits until decode's pages arrive, sends after each prefill batch, and holds
-a finished request's KV (RolePart.release) until NIXL reports its sends done.
-Every way out (abort, decode's KVCancel, a failed send, a dead decode) ends in `_settle`,
-which releases the KV once no send is in flight and tells decode what happened.
+a finished request's KV (RolePart.on_retire answers True) until NIXL reports its sends done.
+The request ends through the engine's host (Host.end, retire: its answer goes out then);
+every way out of a room (its last send, abort, decode's KVCancel, a failed send, a dead
+decode, an end the engine chose) reaches `_settle`, which hands the KV back
+(Host.release_held) once no send is in flight and tells decode what happened.
 
 Tensor parallelism: every rank runs this part alike (rank 0's control messages reach the
-others in the tick; its clock is `sched.now`). A chunk's send is each rank writing its heads
+others in the tick; its clock is `host.now`). A chunk's send is each rank writing its heads
 (RankSends), and it counts as reported once every rank has reported its share.
 """
 
@@ -26,7 +28,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.req import FinishReason, Req, finish_abort
+from tandem.engine.scheduler.role_part import Admission
 from tandem.pd import protocol as pd
 from tandem.pd.agree import Agreement
 from tandem.pd.control.channel import PeerDown, PeerMsg
@@ -40,8 +43,8 @@ from tandem.prefill.staging import SliceStaging
 from tandem.protocol.messages import GenerateReq
 
 if TYPE_CHECKING:
+    from tandem.engine.scheduler.role_part import Host
     from tandem.engine.scheduler.schedule_batch import ScheduleBatch
-    from tandem.engine.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +57,12 @@ class PrefillSender:
     contiguous_pages = True  # a request's KV leaves in runs of pages: fewer transfer descriptors
     tick_codec = TICK_CODEC
 
-    def __init__(self, sched: Scheduler, parts: TransferParts) -> None:
-        self.sched, self.cfg, self.cache = sched, sched.config, sched.cache
+    def __init__(self, host: Host, parts: TransferParts) -> None:
+        self.host, self.cfg, self.cache = host, host.config, host.cache
         self.parts = parts
         self.transfer, self.channel, self.layout, self.slots = parts.transfer, parts.channel, parts.layout, parts.slots
         self.peers: dict[str, Link] = {}  # decode name -> the agents of its ranks this rank writes
-        self.sends = RankSends(self.transfer, Agreement(sched.tp), SliceStaging(self.cache))
+        self.sends = RankSends(self.transfer, Agreement(host.tp), SliceStaging(self.cache))
         self.rooms: dict[int, Outgoing] = {}
         self.by_rid: dict[str, Outgoing] = {}
         self.early: dict[int, Early] = {}
@@ -72,22 +75,20 @@ class PrefillSender:
         self.on_message = {pd.Hello: self.on_hello, pd.KVDest: self.on_dest, pd.KVCancel: self.on_cancel}
 
     # ---- requests ---------------------------------------------------------------------------------
-    def admit(self, req: Req, msg: GenerateReq) -> bool:
+    def admit(self, req: Req, msg: GenerateReq) -> Admission | FinishReason:
         if msg.bootstrap_room is None:
-            self._finish(req, "a prefill worker needs bootstrap_room (send requests through a PD router)")
-            return True
+            return finish_abort("a prefill worker needs bootstrap_room (send requests through a PD router)")
+        if msg.bootstrap_room in self.rooms:
+            return finish_abort(f"bootstrap_room {msg.bootstrap_room} is already in use")
         req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
-        og = Outgoing(req, msg.bootstrap_room, self.sched.now)
-        if og.room in self.rooms:
-            self._finish(req, f"bootstrap_room {og.room} is already in use")
-            return True
+        og = Outgoing(req, msg.bootstrap_room, self.host.now)
         self.rooms[og.room], self.by_rid[req.rid] = og, og
         early = self.early.pop(og.room, None)
         if early is not None and early.dest is not None:
             self._take_dest(og, early.peer, early.dest)
         elif early is not None and early.cancel is not None:
             self._end(og, f"cancelled by decode: {early.cancel}", ack=False)
-        return True
+        return Admission.HELD
 
     def abort(self, rid: str) -> bool:
         og = self.by_rid.get(rid)
@@ -104,14 +105,14 @@ class PrefillSender:
         if problem is not None:
             self._end(og, f"decode's KVDest does not fit this request ({problem})")
             return
-        og.dest, og.sent_upto, og.phase, og.since = dest, dest.skip, Phase.AWAITING_SLOT, self.sched.now
+        og.dest, og.sent_upto, og.phase, og.since = dest, dest.skip, Phase.AWAITING_SLOT, self.host.now
         if self.slot_queue.take(og):
             self._start(og)
 
     def _start(self, og: Outgoing) -> None:
         """`og` holds its first-token slot: it joins the prefill queue."""
         og.phase = Phase.SENDING
-        self.sched.prefill.add(og.req)
+        self.host.queue_prefill(og.req)
 
     # ---- control messages ------------------------------------------------------------------------
     def on_peer_msg(self, m: PeerMsg) -> None:
@@ -140,7 +141,7 @@ class PrefillSender:
             return
         og = self.rooms.get(dest.room)
         if og is None:
-            self._keep_early(dest.room, Early(self.sched.now, peer, dest=dest))
+            self._keep_early(dest.room, Early(self.host.now, peer, dest=dest))
         elif og.phase is Phase.AWAITING_DEST:
             self._take_dest(og, peer, dest)
 
@@ -149,7 +150,7 @@ class PrefillSender:
         if peer not in self.peers or (og is not None and og.peer not in ("", peer)):
             return  # only a decode with a handshake cancels, and only its own rooms
         if og is None:  # not here yet, or settled already: either way nothing will be written
-            self._keep_early(msg.room, Early(self.sched.now, peer, cancel=msg.reason))
+            self._keep_early(msg.room, Early(self.host.now, peer, cancel=msg.reason))
             self.channel.send(peer, pd.KVCancelled(msg.room))
             return
         og.cancel_ack = og.peer == peer or not og.peer
@@ -176,10 +177,7 @@ class PrefillSender:
         """After a prefill batch: send the pages each PD request's chunk completed."""
         for i, req in enumerate(batch.reqs[: batch.num_extend_reqs]):
             og = self.by_rid.get(req.rid)
-            if og is None or not og.sending:
-                continue
-            if req.finished() and not req.output_ids:  # aborted mid-prefill
-                self._end(og, req.finished_reason.message if req.finished_reason else "aborted")
+            if og is None or not og.sending:  # an abort mid-prefill ended the room (on_retire)
                 continue
             # This batch's extent, not kv_committed_len: under overlap the next chunk may
             # already be allocated (and its forward still running).
@@ -233,8 +231,11 @@ class PrefillSender:
             self._settle(og)
         for og in self.slot_queue.grant():  # the slots settled rooms freed
             self._start(og)
-        now = self.sched.now
+        now = self.host.now
         for og in list(self.rooms.values()):
+            if og.phase is Phase.ENDED:  # the engine ended it (on_retire): settle once nothing is in flight
+                self._settle(og)
+                continue
             if og.phase is Phase.AWAITING_SLOT and now - og.since > self.cfg.pd_transfer_timeout:
                 self.stats["slot_timeouts"] += 1  # decode gives up on the transfer then too
                 self._end(og, f"no first-token slot free within {self.cfg.pd_transfer_timeout:.0f} s")
@@ -250,33 +251,34 @@ class PrefillSender:
 
     # ---- the end of a room ---------------------------------------------------------------------------
     def _end(self, og: Outgoing, why: str, ack: bool = True, override: bool = False, status: int = 503) -> None:
-        """No more sends for this room: stop the request where it is, then settle. `ack` False:
-        decode asked for it (its client aborted, or it prefills the request itself): not an
-        error of this request, so its HTTP answer is a 200 with finish_reason abort."""
+        """No more sends for this room: end the request where it is (now, or at its next result
+        if a prefill batch holds it), then settle. `ack` False: decode asked for it (its client
+        aborted, or it prefills the request itself): not an error of this request, so its HTTP
+        answer is a 200 with finish_reason abort."""
         if og.phase in (Phase.SENT, Phase.ENDED) and not override:
             self._settle(og)
             return
+        self._stop(og, why, tell=ack)
+        self.host.end(og.req, finish_abort(why, status if ack else 200))  # on_retire: held until settled
+        self._settle(og)
+
+    def _stop(self, og: Outgoing, why: str, tell: bool) -> None:
         if og.phase is Phase.AWAITING_SLOT:
             self.slot_queue.leave(og)
         og.phase, og.why = Phase.ENDED, why
-        req = og.req
-        reason = finish_abort(why, status if ack else 200)
-        if not req.finished():
-            if self.sched.prefill.abort_waiting(req.rid) is not None or req.req_pool_idx is None:
-                req.finished_reason = reason
-                self.sched.output.stream([req])
-            else:
-                req.to_finish = reason  # mid-prefill: applied at its next result
-        if ack:
+        if tell:
             og.tell = why
-        self._settle(og)
 
-    def release(self, req: Req) -> bool:
-        """A finished request's KV: a PD request's waits for its sends (then _settle frees it)."""
+    def on_retire(self, req: Req) -> bool:
+        """A PD request's KV stays until its sends are reported (then _settle hands it back).
+        An abort the engine chose (a failed batch, a timeout, a grammar over budget) also
+        ends the room, and decode is told."""
         og = self.by_rid.get(req.rid)
         if og is None:
             return False
-        self._settle(og)
+        reason = req.finished_reason
+        if og.phase not in (Phase.SENT, Phase.ENDED) and reason is not None and reason.kind == "abort":
+            self._stop(og, reason.message, tell=True)
         return True
 
     def _settle(self, og: Outgoing) -> None:
@@ -285,7 +287,6 @@ class PrefillSender:
         (_end settles) and is settled again by poll, which once freed its slot twice."""
         if self.rooms.get(og.room) is not og or not (og.req.finished() and og.in_flight == 0 and not og.sending):
             return
-        self.cache.release(og.req)
         if og.slot is not None:
             self.slots.release(og.slot)
             og.slot = None
@@ -294,12 +295,7 @@ class PrefillSender:
         elif og.peer and og.cancel_ack:
             self.channel.send(og.peer, pd.KVCancelled(og.room))
         del self.rooms[og.room], self.by_rid[og.req.rid]
-        self.sched.reqs.pop(og.req.rid, None)
-
-    def _finish(self, req: Req, why: str) -> None:
-        req.finished_reason = finish_abort(why)
-        self.sched.output.stream([req])
-        self.sched.reqs.pop(req.rid, None)
+        self.host.release_held(og.req)
 
     # ---- state ---------------------------------------------------------------------------------------
     def busy(self) -> bool:

@@ -4,8 +4,11 @@ ones included, so a cycle cannot hide behind an import placed inside a function.
 - Packages form no cycle: the engine's sub-packages layer (scheduler above runner above
   models above attention; kvcache below the scheduler), and so do the operator's (spec at
   the bottom; render, security, scaling, rollout above it).
-- Modules form no cycle at run time. Imports under `if TYPE_CHECKING:` are left out of that
-  one check only: the scheduler's managers name `Scheduler` in their hints.
+- Modules form no cycle at run time; inside the engine, none even through the imports under
+  `if TYPE_CHECKING:` (hints are part of the design: a part typed against the scheduler that
+  drives it is a circle). Elsewhere hints may close a loop.
+- Only engine/scheduler/ names the concrete `Scheduler`: a role part, the admin commands and
+  the fault handling get the narrow host (engine/scheduler/role_part.py), never the class.
 - The engine imports nothing from the PD roles, the servers or Kubernetes; the router, the
   protocol package and the operator reach no module that imports torch.
 """
@@ -126,6 +129,19 @@ def test_packages_form_no_cycle() -> None:
 def test_modules_form_no_cycle_at_run_time() -> None:
     graph = {m: {e.target for e in edges(m) if not e.type_only} for m in modules()}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_the_engine_has_no_cycle_even_through_type_hints() -> None:
+    engine = [m for m in modules() if m.startswith("tandem.engine")]
+    graph = {m: {e.target for e in edges(m) if e.target.startswith("tandem.engine")} for m in engine}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_only_the_scheduler_package_names_the_concrete_scheduler() -> None:
+    concrete = "tandem.engine.scheduler.scheduler"
+    bad = sorted(m for m in modules() if not m.startswith("tandem.engine.scheduler.")
+                 and any(e.target == concrete for e in edges(m)))
+    assert not bad
 
 
 def reachable(start: str) -> set[str]:

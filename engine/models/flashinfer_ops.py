@@ -34,7 +34,7 @@ from tandem.engine.kvcache.kv_slots import KVSlots
 from tandem.engine.models.layer_ops import Heads, RopeBatch
 
 if TYPE_CHECKING:
-    from tandem.engine.models.layers import RotaryEmbedding
+    from tandem.engine.models.rotary import RotaryEmbedding
 
 
 class FlashInferLayerOps:

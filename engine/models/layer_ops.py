@@ -39,7 +39,7 @@ from tandem.engine.kernels import cpu_kernels
 from tandem.engine.kvcache.kv_slots import KVSlots
 
 if TYPE_CHECKING:
-    from tandem.engine.models.layers import RotaryEmbedding
+    from tandem.engine.models.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)

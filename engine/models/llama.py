@@ -31,7 +31,8 @@ from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
-from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, bucketed, row_bucket
+from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, bucketed, row_bucket
+from tandem.engine.models.rotary import RotaryEmbedding
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 

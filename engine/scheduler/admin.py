@@ -3,15 +3,33 @@ cache, and the load and KV-pool state the front's /metrics and /debug/pool read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem.protocol.messages import AdminResult, FlushCacheReq, StatusReq
 
 if TYPE_CHECKING:
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.parallel.group import TPGroup
+    from tandem.engine.scheduler.cache_manager import CacheManager
 
 
-def flush_cache(sched: Scheduler, msg: FlushCacheReq) -> AdminResult:
+class AdminView(Protocol):
+    """What the admin commands read of the scheduler (scheduler.py satisfies it)."""
+
+    tp: TPGroup
+    dp_rank: int
+    cache: CacheManager
+
+    def idle(self) -> bool: ...
+
+    def self_check_during_idle(self) -> None: ...
+
+    def cache_changed(self) -> None: ...
+
+    def load(self) -> dict[str, Any]:
+        """Queue depths, metrics and the parts' own counters, for pool_state."""
+
+
+def flush_cache(sched: AdminView, msg: FlushCacheReq) -> AdminResult:
     """Drop the prefix cache when idle; ok when the pool is whole (all free) afterwards."""
     if not sched.idle():
         return AdminResult(msg.rid, False, {"error": "busy: requests are running"})
@@ -19,17 +37,17 @@ def flush_cache(sched: Scheduler, msg: FlushCacheReq) -> AdminResult:
         sched.cache.flush()
     except (AssertionError, RuntimeError) as exc:  # an admin call must never kill the scheduler
         return AdminResult(msg.rid, False, {"error": f"flush failed: {exc}"})
-    sched.idle_checked = False  # the cache changed: check the pool again
+    sched.cache_changed()  # check the pool again
     info = pool_state(sched)
     whole = all(r["free_tokens"] == r["capacity_tokens"] for r in info["tp_ranks"])
     return AdminResult(msg.rid, info["free_tokens"] == info["capacity_tokens"] and whole, info)
 
 
-def status(sched: Scheduler, msg: StatusReq) -> AdminResult:
+def status(sched: AdminView, msg: StatusReq) -> AdminResult:
     return AdminResult(msg.rid, True, pool_state(sched))
 
 
-def pool_state(sched: Scheduler) -> dict[str, Any]:
+def pool_state(sched: AdminView) -> dict[str, Any]:
     """Load and pool sizes; `whole` when idle (the idle integrity check, run once per
     idle period, passed: it raises otherwise), None while requests run."""
     idle = sched.idle()
@@ -38,7 +56,7 @@ def pool_state(sched: Scheduler) -> dict[str, Any]:
     return {"tp_ranks": tp_pools(sched), **_pool_state(sched, idle)}
 
 
-def tp_pools(sched: Scheduler) -> list[dict[str, int]]:
+def tp_pools(sched: AdminView) -> list[dict[str, int]]:
     """Every tensor-parallel rank's own page counts (each rank's allocator and radix tree are
     its own, kept equal only by scheduling alike): a leak on a rank the front never hears
     from shows here. A collective: every rank runs the same admin command in the same tick."""
@@ -46,13 +64,9 @@ def tp_pools(sched: Scheduler) -> list[dict[str, int]]:
     return [dict(zip(("free_tokens", "cached_tokens", "capacity_tokens"), r)) for r in sched.tp.all_gather_ints(mine)]
 
 
-def _pool_state(sched: Scheduler, idle: bool) -> dict[str, Any]:
+def _pool_state(sched: AdminView, idle: bool) -> dict[str, Any]:
     return {
         "dp_rank": sched.dp_rank, "idle": idle, "whole": True if idle else None,
         "free_tokens": sched.cache.allocator.available_size(), "cached_tokens": sched.cache.tree.total_size(),
-        "capacity_tokens": sched.cache.capacity_tokens(), "num_waiting": len(sched.prefill.waiting_queue),
-        "num_running": sum(not r.finished() for r in sched.decode.reqs), "kv_usage": sched.cache.usage(),
-        "metrics": sched.metrics.snapshot(),
-        "pd": sched.part.status() if sched.part is not None else None,
-        "grammar": sched.grammar.status(),
+        "capacity_tokens": sched.cache.capacity_tokens(), "kv_usage": sched.cache.usage(), **sched.load(),
     }

@@ -113,6 +113,10 @@ class CacheManager:
             raise
         return slots
 
+    def pages_needed(self, prefix: int, extend: int) -> int:
+        """New pages a row holding `prefix` tokens takes to hold `extend` more."""
+        return self.allocator.pages_needed(prefix, extend)
+
     def decode_pages_needed(self, reqs: list[Req]) -> int:
         return sum(self.allocator.pages_needed(r.kv_committed_len, 1) for r in reqs)
 

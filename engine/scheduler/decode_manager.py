@@ -17,9 +17,9 @@ back up on a retraction (admitting less).
 from __future__ import annotations
 
 from tandem.engine.engine_config import EngineConfig
-from tandem.engine.scheduler.batch_faults import BatchFailed
+from tandem.engine.scheduler.batch_failure import BatchFailed
 from tandem.engine.scheduler.cache_manager import CacheManager
-from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.req import Req
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 
 
@@ -45,17 +45,11 @@ class DecodeManager:
     def runnable(self) -> bool:
         return not self.running_batch.is_empty()
 
-    def merge(self, batch: ScheduleBatch, exclude: Req | None) -> None:
-        """Fold a finished prefill batch (minus a still-chunking request) into the running batch."""
-        batch.filter_batch(exclude=exclude)
-        self.running_batch.merge_batch(batch)
-
-    def expire_running(self, timeout: float | None, now: float) -> None:
+    def expired(self, timeout: float | None, now: float) -> list[Req]:
+        """Running requests older than `timeout`, not ending yet (the caller ends them)."""
         if timeout is None:
-            return
-        for r in self.reqs:
-            if now - r.arrival_time > timeout and not r.finished() and r.to_finish is None:
-                r.to_finish = finish_abort(f"ran longer than running_timeout={timeout}s")
+            return []
+        return [r for r in self.reqs if now - r.arrival_time > timeout and not r.finished() and r.to_finish is None]
 
     # ---- memory check and retraction ---------------------------------------------------------
     def _fits(self, reqs: list[Req], steps: int) -> bool:

@@ -19,11 +19,28 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from tandem.engine.scheduler.grammar_manager import fill_or_fail
 
 if TYPE_CHECKING:
     from tandem.engine.scheduler.scheduler import Scheduler
+
+
+def run(s: Scheduler) -> None:
+    """Run the scheduler's loop until shutdown (the caller's thread or process)."""
+    # An Engine built inside a caller's inference_mode has pools only inference mode may update.
+    try:
+        with torch.inference_mode():
+            if s.overlap is not None:
+                event_loop_overlap(s)
+            else:
+                event_loop_normal(s)
+            # A shutdown: what still runs ends with an answer. Not after a fault the loop did not
+            # contain (the pools may be inconsistent): the worker's front reports that one.
+            s.end_all()
+    finally:
+        s.close()
 
 
 def event_loop_normal(s: Scheduler) -> None:

@@ -21,17 +21,18 @@ from tandem.engine.grammar.batch_mask import BatchMask
 from tandem.engine.grammar.compile_pool import PoolLimits
 from tandem.engine.grammar.grammar_queue import GrammarQueue, Verdict
 from tandem.engine.grammar.matcher_budget import MeteredMatcher
-from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.req import FinishReason, Req, finish_abort
 from tandem.engine.worker_batch import ModelWorkerBatch
 from tandem.protocol.messages import GenerateReq
 
 Admit = Callable[[Req, GenerateReq], None]
+End = Callable[[Req, FinishReason], object]
 BudgetVerdict = tuple[str, str]  # (rid, why its grammar costs too much)
 
 
 class GrammarManager:
     def __init__(self, config: EngineConfig, tokenizer: Callable[[], Any], vocab_size: int,
-                 eos_ids: tuple[int, ...], admit: Admit, fail: Callable[[Req], None]) -> None:
+                 eos_ids: tuple[int, ...], admit: Admit, fail: End, end: End) -> None:
         self.budget, self.window = config.grammar_matcher_budget, config.grammar_matcher_window
         # Tensor parallelism: rank 0's verdicts of this iteration (tick.py) replace this
         # process's own polling, and nothing is admitted early from the cache, so that every
@@ -43,7 +44,8 @@ class GrammarManager:
         self.queue = GrammarQueue(config.grammar_backend, tokenizer, vocab_size, eos_ids,
                                   config.grammar_compile_timeout, config.grammar_cache_size,
                                   config.grammar_cache_bytes, limits, follow=self.follow)
-        self.admit, self.fail = admit, fail
+        # fail: retire one that never started (lifecycle.retire); end: one that runs (lifecycle.end)
+        self.admit, self.fail, self.end = admit, fail, end
         self.verdicts: list[Verdict] = []
         self.budget_verdicts: list[BudgetVerdict] = []
         self.metered: dict[str, Req] = {}  # admitted constrained requests
@@ -83,17 +85,13 @@ class GrammarManager:
             self._attach(req, matcher)
             self.admit(req, msg)
         for (req, _), why, status in failed:
-            req.finished_reason = finish_abort(why, status=status)
-            self.fail(req)
+            self.fail(req, finish_abort(why, status=status))
         self._enforce(budget)
 
     def abort(self, rid: str) -> Req | None:
+        """Take a request still waiting for its grammar out of the queue (the caller retires it)."""
         item = self.queue.abort(rid)
-        if item is None:
-            return None
-        req: Req = item[0]
-        req.finished_reason = finish_abort("aborted while its grammar compiled")
-        return req
+        return None if item is None else item[0]
 
     def attach_mask(self, reqs: list[Req], mwb: ModelWorkerBatch) -> BatchMask | None:
         """Give a batch with constrained rows its (still unfilled) vocabulary mask."""
@@ -129,8 +127,7 @@ class GrammarManager:
             if req is None or req.finished():
                 continue
             req.grammar.halted = True
-            if req.to_finish is None:
-                req.to_finish = finish_abort(why)
+            if self.end(req, finish_abort(why)):
                 self.over_budget += 1
         if self.metered:
             self.metered = {rid: r for rid, r in self.metered.items() if not r.finished()}

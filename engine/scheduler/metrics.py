@@ -51,6 +51,7 @@ class SchedulerMetrics:
     kv_usage: float = 0.0
     peak_running: int = 0
     peak_kv_usage: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)  # requests ended, by reason kind
     _last_forward_end: float | None = None
     _last_was_decode: bool = False
 
@@ -79,6 +80,9 @@ class SchedulerMetrics:
         self._last_forward_end, self._last_was_decode = result.forward_end, decode
 
     def on_finish(self, req: Any) -> None:
+        """Once per request, whatever ended it (lifecycle.retire)."""
+        kind = req.finished_reason.kind
+        self.finished[kind] = self.finished.get(kind, 0) + 1
         self.generated_tokens += len(req.output_ids)
         if req.first_token_time is not None:
             self.ttft.add(req.first_token_time - req.arrival_time)
@@ -122,6 +126,7 @@ class SchedulerMetrics:
             "decode_idle_fraction": self.decode_idle_fraction,
             "overhead_per_req_step_us": self.overhead_per_req_step_us,
             "generated_tokens": self.generated_tokens,
+            "finished": dict(self.finished),
             "num_waiting": self.num_waiting,
             "num_running": self.num_running,
             "kv_usage": self.kv_usage,

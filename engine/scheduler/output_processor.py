@@ -15,7 +15,7 @@ from typing import Any
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.runner.model_worker import GenerationBatchResult
 from tandem.engine.scheduler.cache_manager import CacheManager
-from tandem.engine.scheduler.req import FinishReason, Req, ReqStatus, finish_abort, finish_length
+from tandem.engine.scheduler.req import FinishReason, Req, finish_abort, finish_length
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.protocol.messages import ReqOutput
 
@@ -27,20 +27,17 @@ class OutputProcessor:
         eos_ids: tuple[int, ...],
         tokenizer: Callable[[], Any],
         emit: Callable[[list[ReqOutput]], None],
-        release: Callable[[Req], None] | None = None,
     ) -> None:
         self.cache = cache
         self.eos_ids = frozenset(eos_ids)
         self.tokenizer = tokenizer  # loaded lazily: only stop strings need it
         self.emit = emit
-        self.on_finish: Callable[[Req], None] = lambda req: None
-        # How a finished request gives back its KV: the scheduler's release_finished, which
-        # lets a prefill role hold it until the request's KV has been sent (prefill/sender.py).
-        self.release: Callable[[Req], None] = release or cache.release
+        # How a request found finished here ends: lifecycle.retire (wired by the scheduler).
+        self.retire: Callable[[Req, FinishReason], None] = lambda req, reason: None
+        self.pending: list[Req] = []  # requests with output to send at the next flush
 
     # ---- per batch ------------------------------------------------------------------------------
     def process_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        outs: list[Req] = []
         with self.cache.free_group():
             for i, req in enumerate(batch.reqs):
                 if req.finished() or req.is_retracted:
@@ -48,31 +45,31 @@ class OutputProcessor:
                 if i < batch.num_extend_reqs and req.is_chunked > 0:
                     req.is_chunked -= 1  # a middle chunk: its sample is meaningless
                     if req.to_finish is not None:
-                        self.finish(req, req.to_finish)
-                        outs.append(req)
+                        self.retire(req, req.to_finish)
                     else:
                         self.cache.cache_unfinished(req)
                     continue
                 self._append(req, result, i)
-                if not req.finished() and i < batch.num_extend_reqs:
-                    self.cache.cache_unfinished(req)
-                outs.append(req)
-        self.stream(outs)
+                if not req.finished():
+                    if i < batch.num_extend_reqs:
+                        self.cache.cache_unfinished(req)
+                    self.pending.append(req)
+        self.flush()
 
     def process_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        outs: list[Req] = []
         with self.cache.free_group():
             for i, req in enumerate(batch.reqs):
                 if req.finished() or req.is_retracted:
                     continue
                 self._append(req, result, i)
-                outs.append(req)
-        self.stream(outs)
+                if not req.finished():  # a finished one's last output was queued by retire
+                    self.pending.append(req)
+        self.flush()
 
     # ---- per request ----------------------------------------------------------------------------
     def _append(self, req: Req, result: GenerationBatchResult, i: int) -> None:
         if req.to_finish is not None:
-            self.finish(req, req.to_finish)
+            self.retire(req, req.to_finish)
             return
         token = result.next_token_ids[i]
         now = time.monotonic()
@@ -87,13 +84,9 @@ class OutputProcessor:
             if result.top_logprobs is not None:
                 n = req.sampling_params.top_logprobs_num
                 req.top_logprobs.append(result.top_logprobs[i][:n])
-        grammar_end = accept_grammar_token(req, token)
-        if grammar_end is not None:
-            self.finish(req, grammar_end)
-            return
-        reason = self.check_finished(req, token)
+        reason = accept_grammar_token(req, token) or self.check_finished(req, token)
         if reason is not None:
-            self.finish(req, reason)
+            self.retire(req, reason)
 
     def check_finished(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -111,18 +104,18 @@ class OutputProcessor:
             return finish_length(sp.max_new_tokens)
         return None
 
-    def finish(self, req: Req, reason: FinishReason) -> None:
-        req.finished_reason = reason
-        req.to_finish = None
-        req.status = ReqStatus.FINISHED
-        self.release(req)
-        self.on_finish(req)
-
     # ---- output ---------------------------------------------------------------------------------
-    def stream(self, reqs: list[Req]) -> None:
-        outs = [self.make_output(r) for r in reqs]
-        if outs:
-            self.emit(outs)
+    def queue(self, req: Req) -> None:
+        """Send what `req` has new (and its end, once finished) at the next flush."""
+        self.pending.append(req)
+
+    def flush(self) -> None:
+        """One output per queued request, in one emit: a request queued twice (its progress,
+        then its end in the same step) still gets one output."""
+        if not self.pending:
+            return
+        reqs, self.pending = self.pending, []
+        self.emit([self.make_output(r) for r in dict.fromkeys(reqs)])
 
     @staticmethod
     def make_output(req: Req) -> ReqOutput:

@@ -1,11 +1,12 @@
-"""PrefillManager: owns the waiting queue and the chunked request; builds prefill batches."""
+"""PrefillManager: owns the waiting queue and the chunked request; builds prefill batches.
+Requests leave it by being scheduled, or by ending (engine/scheduler/lifecycle.py)."""
 
 from __future__ import annotations
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.prefill_adder import AddReqResult, PrefillAdder
-from tandem.engine.scheduler.req import Req, ReqStatus, finish_abort
+from tandem.engine.scheduler.req import Req, ReqStatus
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 
@@ -28,30 +29,21 @@ class PrefillManager:
     def runnable(self) -> bool:
         return bool(self.waiting_queue) or self.chunked_req is not None
 
-    def abort_waiting(self, rid: str) -> Req | None:
+    def find_waiting(self, rid: str) -> Req | None:
+        return next((r for r in self.waiting_queue if r.rid == rid), None)
+
+    def remove(self, req: Req) -> None:
+        """A waiting request leaves the queue (it ended: lifecycle.retire)."""
         for i, r in enumerate(self.waiting_queue):
-            if r.rid == rid:
+            if r is req:
                 del self.waiting_queue[i]
-                r.finished_reason = finish_abort("aborted while waiting")
-                return r
-        return None
+                return
 
-    def forget(self, reqs: list[Req]) -> None:
-        """Drop requests whose batch failed (batch_faults.py): a retracted one may be back in the
-        queue, a chunked one still holds the chunk slot."""
-        gone = set(reqs)
-        self.waiting_queue = [r for r in self.waiting_queue if r not in gone]
-        if self.chunked_req in gone:
-            self.chunked_req = None
-
-    def expire_waiting(self, timeout: float | None, now: float) -> list[Req]:
+    def expired(self, timeout: float | None, now: float) -> list[Req]:
+        """Waiting requests older than `timeout` (the caller retires them)."""
         if timeout is None:
             return []
-        expired = [r for r in self.waiting_queue if now - r.arrival_time > timeout]
-        for r in expired:
-            self.waiting_queue.remove(r)
-            r.finished_reason = finish_abort(f"waited longer than waiting_timeout={timeout}s")
-        return expired
+        return [r for r in self.waiting_queue if now - r.arrival_time > timeout]
 
     def schedule_next_batch(
         self, running: list[Req], new_token_ratio: float, mixed_decode_tokens: int = 0

@@ -48,6 +48,14 @@ class FinishReason:
         return {"length": "length", "stop": "stop", "abort": "abort"}[self.kind]
 
 
+class KVFate(Enum):
+    """What becomes of a request's KV when it ends (lifecycle.retire)."""
+
+    CACHE = "cache"  # into the prefix cache: the normal end (a role part may hold it first)
+    DISCARD = "discard"  # freed, never cached: half-written by a failed forward, or a transfer's never-filled room
+    HOLD = "hold"  # kept, with its row and registry entry, until its holder calls release_held
+
+
 def finish_length(n: int) -> FinishReason:
     return FinishReason("length", message=f"reached max_new_tokens={n}")
 

@@ -11,7 +11,7 @@ step builds them every iteration, and numpy costs the host a fraction of a torch
 the forward thread turns them into device tensors (runner/model_worker.py).
 
 The methods that build a batch's inputs from its requests are @traced: a failure in one
-names the batch's requests, which then fail alone (batch_faults.py).
+names the batch's requests, which then fail alone (batch_failure.py, batch_faults.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem.engine.forward_batch import ForwardMode
-from tandem.engine.scheduler.batch_faults import traced
+from tandem.engine.scheduler.batch_failure import traced
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.req import Req, ReqStatus
 from tandem.engine.worker_batch import ModelWorkerBatch

@@ -1,10 +1,12 @@
-"""Scheduler: wires the managers and runs the event loop.
+"""Scheduler: wires the managers; the event loops drive it.
 
     normal loop:   recv -> schedule N -> run N -> process N
     overlap loop:  recv -> schedule N -> launch N -> process N-1 -> (N in flight)
 
-The two loops stand side by side in event_loops.py; this module is what they drive:
-receiving, batch construction, running and processing a batch, idleness.
+The two loops stand side by side in event_loops.py (`run`); this module is what they drive:
+receiving, batch construction, running and processing a batch, idleness. A request's life,
+and its one ending, is lifecycle.py's; a role part and the fault handling get that, never
+this class.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
-
-import torch
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
@@ -31,15 +31,15 @@ from tandem.engine.scheduler import admin
 from tandem.engine.scheduler.batch_faults import BatchFaults
 from tandem.engine.scheduler.cache_manager import CacheManager
 from tandem.engine.scheduler.decode_manager import DecodeManager
-from tandem.engine.scheduler.event_loops import event_loop_normal, event_loop_overlap
 from tandem.engine.scheduler.grammar_manager import GrammarManager
+from tandem.engine.scheduler.lifecycle import Lifecycle
 from tandem.engine.scheduler.metrics import SchedulerMetrics
 from tandem.engine.scheduler.output_processor import OutputProcessor
 from tandem.engine.scheduler.prefill_manager import PrefillManager
 from tandem.engine.scheduler.priority import preempt_for_priority
-from tandem.engine.scheduler.req import Req, finish_abort
+from tandem.engine.scheduler.req import FinishReason, KVFate, Req, ReqStatus, finish_abort
 from tandem.engine.scheduler.request_validation import build_req
-from tandem.engine.scheduler.role_part import RolePart
+from tandem.engine.scheduler.role_part import Admission, RolePart
 from tandem.engine.scheduler.schedule_batch import ScheduleBatch
 from tandem.engine.scheduler.schedule_policy import SchedulePolicy
 from tandem.engine.worker_batch import ModelWorkerBatch
@@ -75,7 +75,6 @@ class Scheduler:
         # Tensor parallelism: every rank runs this scheduler; rank 0's inputs and clock reach
         # the others each iteration (parallel/tick.py), so all of them decide alike.
         self.tp = runner.tp
-        self.now = time.monotonic()  # this iteration's clock: timeouts and arrival times
         self.steps = 0
         tree = create_prefix_cache(
             config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size
@@ -85,50 +84,54 @@ class Scheduler:
         self.policy = SchedulePolicy(config.schedule_policy, tree, config.enable_priority_scheduling, config.seed)
         self.prefill = PrefillManager(config, self.cache, self.policy)
         self.decode = DecodeManager(config, self.cache)
-        self.output = OutputProcessor(self.cache, runner.model_config.eos_token_ids, tokenizer, emit,
-                                      release=self.release_finished)
+        self.output = OutputProcessor(self.cache, runner.model_config.eos_token_ids, tokenizer, emit)
         self.metrics = SchedulerMetrics()
-        self.output.on_finish = self.metrics.on_finish
+        self.life = Lifecycle(config, self.tp, dp_rank, inbox, memory.kv_pool, runner.vocab_size, self.cache,
+                              self.prefill, self.decode, self.output, self.metrics)
+        self.output.retire = self.life.retire
         self.worker = ModelWorker(runner)
         self.overlap: OverlapWorker | None = None
         if config.enable_overlap:
             self.overlap = OverlapWorker(self.worker, runner.future_map)
         self.grammar = GrammarManager(config, tokenizer, runner.vocab_size, runner.model_config.eos_token_ids,
-                                      admit=self.admit, fail=self.drop_unstarted)
-        self.faults = BatchFaults(self)
+                                      admit=self.admit, fail=self.life.retire, end=self.life.end)
+        self.faults = BatchFaults(self.life)
         self.last_batch: ScheduleBatch | None = None
         self.in_flight: deque[tuple[ScheduleBatch, Any]] = deque()  # launched, not processed (overlap)
         self.running = True
         self.idle_checked = False
-        self.reqs: dict[str, Req] = {}
         self.part: RolePart | None = None  # the prefill or decode role's transfer part (attach)
         self.request_handlers: dict[type, Callable[[Any], Any]] = {
             GenerateReq: self.add_request, AbortReq: lambda m: self.abort(m.rid)}
         self.admin_handlers = {FlushCacheReq: partial(admin.flush_cache, self), StatusReq: partial(admin.status, self),
                                ShutdownReq: self.shutdown}
 
+    @property
+    def now(self) -> float:
+        return self.life.now
+
+    @property
+    def reqs(self) -> dict[str, Req]:
+        return self.life.reqs
+
     def attach(self, part: RolePart) -> None:
         """Compose in a role's transfer part (prefill/sender.py, decode/receiver.py): it takes
         the requests it admits, handles its own inbox messages, and is polled every loop."""
-        self.part = part
+        self.part = self.life.part = part
         self.request_handlers.update(part.handlers)
         if part.contiguous_pages:
             self.cache.allocator.keep_free_list_sorted()
 
-    def release_finished(self, req: Req) -> None:
-        """A finished request's KV goes back to the cache, unless the role still sends it."""
-        if self.part is None or not self.part.release(req):
-            self.cache.release(req)
-
     # ---- input ---------------------------------------------------------------------------------
     def recv_requests(self, block: bool) -> list[Any]:
+        self.output.flush()  # what ended since the last results (aborts, timeouts) goes out before waiting
         msgs = self._drain_inbox(block) if self.tp.leader else None
         if self.tp.size == 1:
-            self.now = time.monotonic()
+            self.life.now = time.monotonic()
             return msgs or []
         codec = self.part.tick_codec if self.part is not None else None
         tick = exchange(self.tp, msgs, self.grammar.decide() if self.tp.leader else None, codec)
-        self.now, self.grammar.verdicts, self.grammar.budget_verdicts = tick.now, tick.grammar, tick.over_budget
+        self.life.now, self.grammar.verdicts, self.grammar.budget_verdicts = tick.now, tick.grammar, tick.over_budget
         return tick.msgs
 
     def _drain_inbox(self, block: bool) -> list[Any]:
@@ -154,24 +157,22 @@ class Scheduler:
         self.grammar.poll()  # after the messages: an abort among them wins over a verdict
         if self.part is not None:
             self.part.poll()
+        self.output.flush()  # aborts' last outputs, a transferred request's first token: now, not a step later
 
     def add_request(self, msg: GenerateReq) -> None:
         req, error = build_req(msg, self.runner, self.config, in_use=msg.rid in self.reqs)
         if error is not None:
             self.output.emit([error])
             return
-        req.arrival_time = self.now
-        self.reqs[req.rid] = req
+        self.life.add(req)
         self.grammar.add(req, msg)  # admits it now, or once its grammar is compiled
 
     def admit(self, req: Req, msg: GenerateReq) -> None:
-        if self.part is None or not self.part.admit(req, msg):
-            self.prefill.add(req)
-
-    def drop_unstarted(self, req: Req) -> None:
-        """A request finished before it was queued (it holds no KV): its last output goes out."""
-        self.output.stream([req])
-        self.reqs.pop(req.rid, None)
+        verdict = Admission.LOCAL if self.part is None else self.part.admit(req, msg)
+        if verdict is Admission.LOCAL:
+            self.life.queue_prefill(req)
+        elif isinstance(verdict, FinishReason):
+            self.life.retire(req, verdict)
 
     def shutdown(self, msg: ShutdownReq) -> None:
         self.running = False
@@ -179,25 +180,27 @@ class Scheduler:
     def abort(self, rid: str) -> None:
         if self.part is not None and self.part.abort(rid):
             return
-        req = self.grammar.abort(rid) or self.prefill.abort_waiting(rid)
+        req = self.grammar.abort(rid)
         if req is not None:
-            self.drop_unstarted(req)
+            self.life.retire(req, finish_abort("aborted while its grammar compiled"))
             return
         req = self.reqs.get(rid)
-        if req is not None and not req.finished():
-            req.to_finish = finish_abort("aborted by client")  # applied at its next result
+        if req is not None:
+            waiting = req.status in (ReqStatus.WAITING, ReqStatus.RETRACTED)
+            self.life.end(req, finish_abort("aborted while waiting" if waiting else "aborted by client"))
 
     # ---- batch construction ----------------------------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        for r in self.prefill.expire_waiting(self.config.waiting_timeout, self.now):
-            self.output.stream([r])
-            self.reqs.pop(r.rid, None)
-        self.decode.expire_running(self.config.running_timeout, self.now)
+        cfg = self.config
+        for r in self.prefill.expired(cfg.waiting_timeout, self.now):
+            self.life.retire(r, finish_abort(f"waited longer than waiting_timeout={cfg.waiting_timeout}s"))
+        for r in self.decode.expired(cfg.running_timeout, self.now):
+            self.life.end(r, finish_abort(f"ran longer than running_timeout={cfg.running_timeout}s"))
         last = self.last_batch
         if last is not None and last.mode.is_extend():
             # Its requests (and, if MIXED, the decodes that rode along) continue decoding.
-            self.decode.merge(ScheduleBatch(list(last.reqs), output_ids=last.output_ids),
-                              exclude=self.prefill.chunked_req)
+            self.life.join_running(ScheduleBatch(list(last.reqs), output_ids=last.output_ids),
+                                   exclude=self.prefill.chunked_req)
         preempt_for_priority(self.config, self.prefill, self.decode, self.cache)
         mixed = self.config.enable_mixed_chunk and self.decode.runnable()
         running = [r for r in self.decode.reqs if not r.finished()]
@@ -247,22 +250,31 @@ class Scheduler:
                 self.output.process_prefill(batch, result)
             if self.part is not None:
                 self.part.on_batch_done(batch)
-        if self.prefill.chunked_req is not None and self.prefill.chunked_req.finished():
-            self.prefill.chunked_req = None
-        for r in batch.reqs:
-            if r.finished():
-                self.reqs.pop(r.rid, None)
+        self.output.flush()
 
     def self_check_during_idle(self) -> None:
         """On entering idle: reset congestion control and check the pools, once."""
         if not self.idle() or self.idle_checked:
             return
         self.idle_checked = True
+        self.output.flush()
         self.metrics.mark_idle()
         self.decode.new_token_ratio = self.decode.init_new_token_ratio
         self.cache.check_integrity()
+        self.life.check_integrity()
         if self.part is not None:
             self.part.check_integrity()
+
+    def cache_changed(self) -> None:
+        self.idle_checked = False  # check the pools again at the next idle
+
+    def load(self) -> dict[str, Any]:
+        return {
+            "num_waiting": len(self.prefill.waiting_queue),
+            "num_running": sum(not r.finished() for r in self.decode.reqs),
+            "metrics": self.metrics.snapshot(), "requests": self.life.status(),  # registered, held
+            "pd": self.part.status() if self.part is not None else None, "grammar": self.grammar.status(),
+        }
 
     # ---- loops ----------------------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -270,11 +282,11 @@ class Scheduler:
         return not self.in_flight and self.all_finished()
 
     def all_finished(self) -> bool:
-        """Every request received has finished. `self.reqs` is the one place that sees
-        them all: waiting, chunked, running, and those of a prefill batch just processed
-        but not yet merged into the running set (a flush landing there once found their
-        prefix locks and died)."""
-        return all(r.finished() for r in self.reqs.values()) and (self.part is None or not self.part.busy())
+        """Every request received has settled: the lifecycle's registry sees them all (waiting,
+        chunked, running, those of a prefill batch just processed but not yet merged into the
+        running set, those a role part holds), and a flush landing on one found its prefix
+        locks once. A part's own work in flight (a transfer's KV) counts too."""
+        return self.life.settled() and (self.part is None or not self.part.busy())
 
     def only_waiting(self) -> bool:
         """Nothing to compute now, but requests wait on something else: their grammar's
@@ -283,16 +295,17 @@ class Scheduler:
         return (self.grammar.waiting or (self.part is not None and self.part.busy())) and not (
             self.prefill.runnable() or self.decode.runnable())
 
-    def run(self) -> None:
-        # An Engine built inside a caller's inference_mode has pools only inference mode may update.
-        try:
-            with torch.inference_mode():
-                if self.overlap is not None:
-                    event_loop_overlap(self)
-                else:
-                    event_loop_normal(self)
-        finally:
-            self.grammar.shutdown()
-            if self.overlap is not None:
-                self.overlap.shutdown()
+    def end_all(self) -> None:
+        """Shutdown: every request still here ends with a 503 a router may retry elsewhere."""
+        gone = finish_abort("the engine shut down before this request finished", 503)
+        with self.cache.holding():
+            self.life.retire_all([r for r in self.reqs.values() if not r.finished()], gone, KVFate.CACHE)
+        for r in list(self.reqs.values()):
+            self.life.release_held(r, KVFate.DISCARD)  # a role part's transfers are abandoned with it
+        self.output.flush()
+        self.cache.reclaim()
 
+    def close(self) -> None:
+        self.grammar.shutdown()
+        if self.overlap is not None:
+            self.overlap.shutdown()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 from tandem.pd.protocol import PD_VERSION, Identity
+from tandem.protocol.kv_layout import KVLayout
 
 
 def model_id(model_path: str) -> str:
@@ -23,7 +23,6 @@ def model_id(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def identity_of(runner: Any, model_path: str) -> Identity:
-    layout = runner.kv_pool.layout()
+def identity_of(layout: KVLayout, deterministic: bool, model_path: str) -> Identity:
     return Identity(PD_VERSION, model_id(model_path), layout.dtype, layout.page_size, layout.num_layers,
-                    layout.total_heads, layout.head_dim, bool(runner.config.deterministic))
+                    layout.total_heads, layout.head_dim, bool(deterministic))

@@ -36,7 +36,7 @@ from tandem.worker_contract import (
 
 if TYPE_CHECKING:
     from tandem.engine.parallel.group import TPGroup
-    from tandem.engine.scheduler.scheduler import Scheduler
+    from tandem.engine.scheduler.role_part import Host
 
 
 def confine_ucx_ports(environ: dict[str, str] = os.environ) -> None:  # type: ignore[assignment]
@@ -144,25 +144,26 @@ def refused(problems: list[str], detail: bool) -> str:
     return "PD handshake refused: mismatch in " + ", ".join(p.split(":", 1)[0] for p in problems)
 
 
-def transfer_parts(sched: Scheduler, model_path: str, role: str) -> TransferParts:
+def transfer_parts(host: Host, model_path: str, role: str) -> TransferParts:
     """A collective under TP: every rank builds its own agent, and all learn each other's."""
     from tandem.pd.transfer.nixl_agent import NixlTransfer
 
     confine_ucx_ports()
-    cfg, tp = sched.config, sched.tp
-    name = f"{role}-{uuid.uuid4().hex[:8]}-r{sched.dp_rank}" + (f"-tp{tp.rank}" if tp.size > 1 else "")
+    cfg, tp = host.config, host.tp
+    name = f"{role}-{uuid.uuid4().hex[:8]}-r{host.dp_rank}" + (f"-tp{tp.rank}" if tp.size > 1 else "")
     transfer = NixlTransfer(name, timeout=cfg.pd_transfer_timeout)
     channel: ControlChannel | FollowerChannel
     if tp.leader:
         # From the env only: a flag would show in `ps`, an engine option in /get_server_info.
         secret = os.environ.get(ENV_PD_SECRET) or None
-        channel = ControlChannel(name, sched.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
+        channel = ControlChannel(name, host.inbox, cfg.pd_heartbeat_interval, cfg.pd_heartbeat_timeout, secret)
     else:
         channel = FollowerChannel(name)
-    layout = sched.runner.kv_pool.layout()
-    slots = FirstTokenSlots(cfg.max_running_requests, device=sched.runner.kv_pool.kv_buffer.device)
+    layout = host.kv_pool.layout()
+    slots = FirstTokenSlots(cfg.max_running_requests, device=host.kv_pool.kv_buffer.device)
     meta = transfer.register(layout, slots.region())
     half = {"layout": layout.to_dict(), "agent": base64.b64encode(meta).decode(),
             "meta": dataclasses.asdict(slots.region())}
     halves = [json.loads(h) for h in tp.all_gather_bytes(json.dumps(half).encode())]
-    return TransferParts(transfer, channel, identity_of(sched.runner, model_path), layout, slots, role, tp, halves)
+    identity = identity_of(layout, cfg.deterministic, model_path)
+    return TransferParts(transfer, channel, identity, layout, slots, role, tp, halves)

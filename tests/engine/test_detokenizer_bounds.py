@@ -60,8 +60,7 @@ def test_special_tokens_that_decode_to_nothing_keep_the_window_bounded() -> None
 def test_stop_strings_on_the_scheduler_thread_stay_bounded() -> None:
     """OutputProcessor.check_finished detokenizes each token when a request has stop strings."""
     tok = ByteTokenizer()
-    proc = OutputProcessor(None, eos_ids=(), tokenizer=lambda: tok, emit=lambda outs: None,  # type: ignore[arg-type]
-                           release=lambda req: None)
+    proc = OutputProcessor(None, eos_ids=(), tokenizer=lambda: tok, emit=lambda outs: None)  # type: ignore[arg-type]
     params = SamplingParams.make(stop=["never"], max_new_tokens=10 * N)
     req = type("FakeReq", (), {"sampling_params": params, "output_ids": [], "detok": None})()
     for _ in range(N):

@@ -118,6 +118,14 @@ def test_a_pathological_grammar_ends_its_request_alone(model_path: Any, overlap:
     assert pids and not [p for p in pids if Path(f"/proc/{p}").exists()]  # shutdown ends the compile processes
 
 
+def _end_later(req, why) -> bool:
+    """lifecycle.end for a running request: the first reason wins."""
+    if req.to_finish is not None:
+        return False
+    req.to_finish = why
+    return True
+
+
 def test_rank_zeros_verdicts_for_requests_that_left_in_the_same_tick_are_dropped() -> None:
     """Tensor parallelism: rank 0 decides before the tick's aborts are applied; every rank
     applies the aborts first, then drops the verdicts that no longer have a request to take."""
@@ -127,7 +135,7 @@ def test_rank_zeros_verdicts_for_requests_that_left_in_the_same_tick_are_dropped
     from tandem.engine.scheduler.req import Req, finish_abort
 
     mgr = GrammarManager(EngineConfig(tp_size=2), lambda: None, 8192, (0,),
-                         admit=lambda req, msg: None, fail=lambda req: None)
+                         admit=lambda req, msg: None, fail=lambda req, why: None, end=_end_later)
     try:
         a, b = Req("a", [1], SamplingParams()), Req("b", [1], SamplingParams())
         for r in (a, b):

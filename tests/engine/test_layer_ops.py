@@ -14,7 +14,8 @@ from transformers import LlamaConfig
 
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.models.layer_ops import TORCH, Heads
-from tandem.engine.models.layers import RMSNorm, RotaryEmbedding
+from tandem.engine.models.layers import RMSNorm
+from tandem.engine.models.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.usefixtures("kernel_level")  # every kernel level this CPU executes
 DTYPES = [torch.float32, torch.bfloat16]

@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.models import layer_ops, layer_ops_choice
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps
-from tandem.engine.models.layers import RotaryEmbedding
+from tandem.engine.models.rotary import RotaryEmbedding
 
 IMPLS = ["torch", "cpu-kernels", "flashinfer-standin", pytest.param("flashinfer", marks=pytest.mark.gpu)]
 

@@ -151,7 +151,7 @@ def test_a_fatal_fault_still_ends_the_scheduler(engine, monkeypatch) -> None:
 def test_which_faults_are_contained() -> None:
     import torch
 
-    from tandem.engine.scheduler.batch_faults import is_fatal
+    from tandem.engine.scheduler.batch_failure import is_fatal
     from tandem.engine.scheduler.cache_manager import OutOfKV
 
     contained = [ValueError("x"), TypeError("x"), IndexError("x"), RuntimeError("Overflow when unpacking long long")]

@@ -50,7 +50,7 @@ from tandem.engine.kvcache import rope_kv_triton
 from tandem.engine.kvcache.kv_slots import KVSlots
 from tandem.engine.models import layer_ops
 from tandem.engine.models.layer_ops import TORCH, Heads
-from tandem.engine.models.layers import RotaryEmbedding
+from tandem.engine.models.rotary import RotaryEmbedding
 
 if IMPL == "cpu-kernels" and not cpu_kernels.enabled("layer_ops"):
     print("skip")

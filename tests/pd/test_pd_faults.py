@@ -1,5 +1,7 @@
 """PD failure paths: nothing hangs, every error is clear, no KV page leaks. Each test ends
-with the pools of every live worker whole, checked from outside the processes.
+with the pools of every live worker whole, checked from outside the processes. Whole
+includes the lifecycle's own check (engine/scheduler/lifecycle.py): every request a worker
+received was retired exactly once, whichever way it ended.
 
 Timeouts are short here (heartbeat 3 s, bootstrap 4 s) so dead peers are found quickly."""
 
@@ -23,6 +25,7 @@ FAST = ("--pd-heartbeat-interval", "0.5", "--pd-heartbeat-timeout", "3", "--pd-b
         "--pd-transfer-timeout", "8", "--max-total-tokens", "4096")
 SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 DEAD = free_port()  # a configured prefill peer nobody listens on: its handshake never answers
+BAD_SCHEMA = '{"type": "object", "properties": {"a": {"type": "nope"}}}'  # valid JSON, no such type
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,33 @@ def _wait_up(w: Worker) -> None:
             return False
 
     _wait(up, timeout=180)
+
+
+def test_each_role_retires_every_request_once(pair) -> None:
+    """A finish and a stop (decode's on the first token it reads from prefill's slot): each role
+    counts each request once among its finished, by reason, and keeps none registered. A
+    grammar that does not compile is refused by each front (400) and never reaches either."""
+    pre, dec = pair
+    before = [w.get("/debug/pool").json()["ranks"][0]["requests"] for w in (pre, dec)]
+    # A prompt long enough that decode does not prefill it itself; its cache is flushed after the
+    # reference run, so that the same prompt goes to prefill again.
+    body = {"text": "long enough that decode does not prefill it itself " * 4, "sampling_params": SP}
+    _, d = pd_post(pre, dec, "/generate", body)
+    ref = d.json()["output_ids"]
+    stop = ref[0]  # decode ends on the first token, read from prefill's slot (Host.join_decoding)
+    answers = []
+    for sp in ({**SP, "ignore_eos": False, "stop_token_ids": [stop]}, {**SP, "json_schema": BAD_SCHEMA}):
+        assert dec.admin("POST", "/flush_cache").status_code == 200
+        p, d = pd_post(pre, dec, "/generate", {**body, "sampling_params": sp})
+        answers.append([r.json()["meta_info"]["finish_reason"]["type"] if r.status_code == 200 else r.status_code
+                        for r in (p, d)])
+    assert answers == [["stop", "stop"], [400, 400]]  # prefill samples the stop token too
+    _whole(pre, dec)
+    for w, was, ended in ((pre, before[0], {"length": 1, "stop": 1}), (dec, before[1], {"length": 1, "stop": 1})):
+        now = w.get("/debug/pool").json()["ranks"][0]["requests"]
+        assert now["received"] - was["received"] == 2 and (now["registered"], now["held"]) == (0, 0), now
+        assert {k: n - was["finished"].get(k, 0) for k, n in now["finished"].items()
+                if n != was["finished"].get(k, 0)} == ended, (was, now)
 
 
 def test_handshake_mismatch_fails_fast_in_both_logs(pair, model_path) -> None:
