@@ -45,7 +45,7 @@ def test_both_roles_implement_the_role_part_seam() -> None:
     from tandem.prefill.sender import PrefillSender
 
     hooks = [name for name, _ in inspect.getmembers(RolePart, inspect.isfunction) if not name.startswith("_")]
-    assert {"admit", "abort", "poll", "on_batch_done", "release", "busy", "check_integrity", "status"} <= set(hooks)
+    assert {"admit", "abort", "poll", "on_batch_done", "on_retire", "busy", "check_integrity", "status"} <= set(hooks)
     for part in (PrefillSender, DecodeReceiver):
         assert all(callable(getattr(part, name, None)) for name in hooks), part
         assert part.contiguous_pages is True
