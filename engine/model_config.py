@@ -17,6 +17,8 @@ _ARCH_FEATURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 
 
@@ -39,6 +41,14 @@ class ModelConfig:
     torch_dtype: str
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(repr=False, compare=False, hash=False)
+    # Mixture of experts (models/moe.py; 0 experts: a dense model). The experts' intermediate
+    # size is its own (a rank's share under TP); `sparse_layers` are the layers whose MLP is
+    # the experts (Qwen3-MoE's decoder_sparse_step and mlp_only_layers; every layer in Mixtral).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[int, ...] = ()
     # Set on a tensor-parallel rank's view (`for_rank`): the heads, intermediate size and
     # vocabulary rows above are then this rank's, and `shard` says which (parallel/shard.py).
     shard: Any = field(default=None, repr=False, compare=False, hash=False)
@@ -50,6 +60,13 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_width_gcd(self) -> int:
+        """The widths SiLU*mul runs on, dense and expert, as one number for a divisibility check."""
+        import math
+
+        return math.gcd(self.intermediate_size, self.moe_intermediate_size)
 
     @property
     def tp_size(self) -> int:
@@ -66,9 +83,10 @@ class ModelConfig:
             raise ValueError("this config is a rank's view already")
         if size == 1:
             return self
-        s = plan_shard(rank, size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size)
+        s = plan_shard(rank, size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
+                       self.moe_intermediate_size)
         return replace(self, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-                       intermediate_size=s.intermediate_size, shard=s)
+                       intermediate_size=s.intermediate_size, moe_intermediate_size=s.moe_intermediate_size, shard=s)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -99,7 +117,24 @@ class ModelConfig:
             torch_dtype=str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "float32"),
             eos_token_ids=_eos_ids(Path(path), hf.eos_token_id),
             hf_config=hf,
+            **_experts(arch, hf),
         )
+
+
+def _experts(arch: str, hf: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig, as each architecture's config names them."""
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": hf.num_local_experts, "num_experts_per_tok": hf.num_experts_per_tok,
+                "moe_intermediate_size": hf.intermediate_size, "norm_topk_prob": True,
+                "sparse_layers": tuple(range(hf.num_hidden_layers))}
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+        sparse = tuple(i for i in range(hf.num_hidden_layers)
+                       if i not in dense and hf.num_experts > 0 and (i + 1) % step == 0)
+        return {"num_experts": hf.num_experts, "num_experts_per_tok": hf.num_experts_per_tok,
+                "moe_intermediate_size": hf.moe_intermediate_size, "norm_topk_prob": bool(hf.norm_topk_prob),
+                "sparse_layers": sparse}
+    return {}
 
 
 def _eos_ids(path: Path, config_eos: int | list[int] | None) -> tuple[int, ...]:

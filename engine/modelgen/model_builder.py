@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.engine.modelgen.model_spec import (  # noqa: F401  (re-exported: the builder's public names)
     ARCHITECTURES,
+    BUILDER_ARCHITECTURES,
     BUILDER_VERSION,
     PRESETS,
     REQUIRED_FILES,
@@ -52,14 +53,16 @@ def _rope_parameters(spec: ModelSpec) -> dict[str, Any]:
 
 def write_configs(spec: ModelSpec, ids: SpecialIds, out_dir: Path) -> None:
     """Write config.json and generation_config.json through the transformers config classes."""
-    from transformers import GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import GenerationConfig, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[spec.arch]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+                  "mixtral": MixtralConfig}[spec.arch]
     config = config_cls(
-        architectures=[ARCHITECTURES[spec.arch]],
+        architectures=[BUILDER_ARCHITECTURES[spec.arch]],
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
+        **_expert_config(spec),
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
@@ -76,6 +79,20 @@ def write_configs(spec: ModelSpec, ids: SpecialIds, out_dir: Path) -> None:
     _add_legacy_config_keys(out_dir / "config.json", spec)
     gen = GenerationConfig(bos_token_id=ids.bos, eos_token_id=list(ids.eos_all), pad_token_id=ids.pad)
     gen.save_pretrained(str(out_dir))
+
+
+def _expert_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json's experts, under each architecture's names."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    if spec.arch == "mixtral":  # its intermediate_size is the experts' (the spec's is checked equal)
+        if moe.intermediate_size != spec.intermediate_size:
+            raise ValueError("a mixtral spec's intermediate_size is its experts'")
+        return {"num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k}
+    return {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+            "moe_intermediate_size": moe.intermediate_size, "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": moe.decoder_sparse_step, "mlp_only_layers": list(moe.mlp_only_layers)}
 
 
 def _add_legacy_config_keys(path: Path, spec: ModelSpec) -> None:
@@ -97,6 +114,8 @@ def spec_hash(spec: ModelSpec) -> str:
     fields = dataclasses.asdict(spec.resolved())
     if fields["init"] == "portable":  # the default is left out: models built before `init` existed stay cached
         del fields["init"]
+    if fields["moe"] is None:  # likewise for dense models, built before `moe` existed
+        del fields["moe"]
     payload = json.dumps([recipe(), fields], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:10]
 

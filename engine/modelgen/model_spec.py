@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 BUILDER_VERSION = 2
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Mixture-of-experts architectures the builder makes (their GGUF import is not supported yet).
+MOE_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+BUILDER_ARCHITECTURES = {**ARCHITECTURES, **MOE_ARCHITECTURES}
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -59,6 +62,21 @@ INITS = ("portable", "device")
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The experts of a mixture-of-experts spec (qwen3_moe, mixtral)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's (Mixtral: also config.json's intermediate_size)
+    norm_topk_prob: bool = True  # qwen3_moe's switch; Mixtral always renormalises
+    decoder_sparse_step: int = 1  # qwen3_moe: every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # qwen3_moe: these layers keep a dense MLP
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape and init of a random model; `resolved()` fills the auto fields."""
 
@@ -79,10 +97,13 @@ class ModelSpec:
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"
     init: str = "portable"  # portable | device: how the random weights are drawn (module docstring)
+    moe: MoESpec | None = None  # the experts, for the MOE_ARCHITECTURES only
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {self.arch!r}")
+        if self.arch not in BUILDER_ARCHITECTURES:
+            raise ValueError(f"arch must be one of {sorted(BUILDER_ARCHITECTURES)}, got {self.arch!r}")
+        if (self.moe is not None) != (self.arch in MOE_ARCHITECTURES):
+            raise ValueError(f"arch {self.arch!r} {'needs' if self.moe is None else 'takes no'} experts (moe)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
@@ -141,6 +162,14 @@ PRESETS: dict[str, ModelSpec] = {
         _TINY, arch="llama", num_layers=2, num_heads=16, num_kv_heads=2, head_dim=256,
         rope_theta=500_000.0, tie_word_embeddings=False,
     ),
+    # Mixture of experts: 8 experts, top 2, renormalised; layer 1 keeps a dense MLP.
+    "tiny-qwen3-moe": dataclasses.replace(
+        _TINY, arch="qwen3_moe", moe=MoESpec(num_experts=8, top_k=2, intermediate_size=128, mlp_only_layers=(1,)),
+    ),
+    "tiny-mixtral": dataclasses.replace(
+        _TINY, arch="mixtral", rope_theta=1_000_000.0, tie_word_embeddings=False, intermediate_size=384,
+        moe=MoESpec(num_experts=4, top_k=2, intermediate_size=384),
+    ),
     # ~152M parameters; for benchmarks.
     "small": ModelSpec(
         arch="llama",
@@ -189,17 +218,34 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if spec.moe is not None and spec.moe.sparse(i):
+            shapes.update(_expert_shapes(spec, p))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, d)
         shapes[p + "mlp.up_proj.weight"] = (inter, d)
         shapes[p + "mlp.down_proj.weight"] = (d, inter)
     shapes["model.norm.weight"] = (d,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, d)
+    return shapes
+
+
+def _expert_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's router and experts, under each architecture's names."""
+    assert spec.moe is not None
+    d, inter, n = spec.hidden_size, spec.moe.intermediate_size, spec.moe.num_experts
+    block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if spec.arch == "mixtral"
+                               else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    shapes: dict[str, tuple[int, ...]] = {f"{p}{block}.gate.weight": (n, d)}
+    for e in range(n):
+        shapes[f"{p}{block}.experts.{e}.{gate}.weight"] = (inter, d)
+        shapes[f"{p}{block}.experts.{e}.{up}.weight"] = (inter, d)
+        shapes[f"{p}{block}.experts.{e}.{down}.weight"] = (d, inter)
     return shapes
 
 
@@ -213,7 +259,7 @@ def _init_mean_std(name: str, shape: tuple[int, ...], spec: ModelSpec) -> tuple[
     fan_in = shape[1]
     if "o_proj" in name:
         return 0.0, BLOCK_OUT_RMS / math.sqrt(fan_in)
-    if "down_proj" in name:
+    if "down_proj" in name or name.endswith(".w2.weight"):
         return 0.0, BLOCK_OUT_RMS / (_SILU_GLU_RMS * math.sqrt(fan_in))
     return 0.0, 1.0 / math.sqrt(fan_in)  # q/k/v/gate/up: unit-RMS outputs from a normalised input
 

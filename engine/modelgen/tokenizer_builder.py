@@ -99,7 +99,7 @@ FAMILIES: dict[str, TokenizerFamily] = {
     ),
 }
 
-_ARCH_FAMILY = {"llama": "llama3", "qwen2": "qwen", "qwen3": "qwen"}
+_ARCH_FAMILY = {"llama": "llama3", "qwen2": "qwen", "qwen3": "qwen", "qwen3_moe": "qwen", "mixtral": "llama3"}
 
 
 @dataclass(frozen=True)

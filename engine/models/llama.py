@@ -1,9 +1,9 @@
-"""The Llama-family decoder: Llama 2/3, Qwen2 (qkv bias) and Qwen3 (qk-norm).
+"""The Llama-family decoder: Llama 2/3, Qwen2 (qkv bias) and Qwen3 (qk-norm), and their
+mixture-of-experts forms, Qwen3-MoE and Mixtral (a layer's MLP is then moe.py's experts).
 
-The three differ only in two switches carried by ModelConfig, so one module
-serves all of them. Inputs are flattened tokens with explicit positions; KV
-storage and attention are delegated to the attention backend, so the same
-module runs prefill, decode and mixed batches.
+They differ only in switches carried by ModelConfig, so one module serves all of them.
+Inputs are flattened tokens with explicit positions; KV storage and attention are delegated
+to the attention backend, so the same module runs prefill, decode and mixed batches.
 
     hidden (T, H) --qkv_proj--> q (T, Hq, D) | k (T, Hkv, D) | v (T, Hkv, D)
                   [qk-norm] -> RoPE -> backend.forward -> o_proj
@@ -32,6 +32,7 @@ from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
 from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, bucketed, row_bucket
+from tandem.engine.models.moe import SparseMoE
 from tandem.engine.models.rotary import RotaryEmbedding
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
@@ -81,7 +82,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, tp)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.mlp: GatedMLP | SparseMoE
+        if layer_id in cfg.sparse_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -133,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Route norms, SiLU*mul and qk-norm + RoPE through `ops` (layer_ops_choice.build)."""
         for mod in self.modules():
-            if isinstance(mod, (RMSNorm, GatedMLP, Attention)):
+            if isinstance(mod, (RMSNorm, GatedMLP, SparseMoE, Attention)):
                 mod.ops = ops
         self.ops = ops
 

@@ -1,4 +1,4 @@
-"""Load HF checkpoints (ours or real Qwen/Llama ones) into the native model.
+"""Load HF checkpoints (ours or real Qwen/Llama/Mixtral ones) into the native model.
 
 HF stores q/k/v and gate/up as separate tensors; the native model fuses them,
 so each checkpoint tensor is copied into a row range of a fused parameter (under tensor
@@ -6,6 +6,9 @@ parallelism, of this rank's share: the sizes below are then the rank's, parallel
 
     qkv_proj rows:     [0, q_size) q | [q_size, q_size+kv_size) k | [.., +kv_size) v
     gate_up_proj rows: [0, inter) gate | [inter, 2*inter) up
+
+An MoE layer's experts are stacked: each checkpoint expert tensor is copied into its expert's
+slice of `mlp.gate_up` ([gate; up] rows, as above) or `mlp.down` (models/moe.py).
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from torch import nn
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.moe import expert_weight, router_weight
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 # checkpoint suffix -> (fused native suffix, shard index)
@@ -103,6 +109,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         name = key.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        expert = expert_weight(name)
+        if expert is not None:  # one expert's gate, up or down: a slice of the stacked parameter
+            target, e, part = expert
+            _load_expert(cfg, params[target].data[e], part, tensor)
+            loaded.add(f"{target}#{e}.{part}")
+            continue
+        name = router_weight(name) or name
         layer_prefix, _, suffix = name.rpartition(".")  # e.g. layers.0.self_attn.q_proj / weight
         for src, (dst, shard) in _FUSED.items():
             if layer_prefix.endswith(src):
@@ -122,10 +135,24 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     return model.to(device=device, dtype=dtype).eval()
 
 
+def _load_expert(cfg: ModelConfig, dst: torch.Tensor, part: int, tensor: Any) -> None:
+    """Expert `dst` ([gate; up] rows, or down) takes its gate, up or down tensor; under TP this
+    rank's intermediate features of it: gate/up rows, down columns."""
+    inter = cfg.moe_intermediate_size
+    lo, hi = cfg.shard.features("moe", cfg.head_dim) if cfg.shard is not None else (0, inter)
+    if part == 2:
+        dst.copy_(tensor[:, lo:hi])
+    else:
+        dst[part * inter : (part + 1) * inter].copy_(tensor[lo:hi])
+
+
 def _check_complete(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
     missing = []
     for name in params:
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        if name.endswith("mlp.gate_up") or name.endswith("mlp.down"):  # stacked experts
+            parts = (0, 1) if name.endswith("gate_up") else (2,)
+            need = [f"{name}#{e}.{p}" for e in range(params[name].shape[0]) for p in parts]
+        elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             need = [f"{name}#{i}" for i in range(3)]
         elif name.endswith("gate_up_proj.weight"):
             need = [f"{name}#{i}" for i in range(2)]

@@ -4,6 +4,7 @@
                kv heads    H % T == 0: [r*H/T, (r+1)*H/T)          split
                            T % H == 0: the one head r // (T/H)     replicated (T > H)
     MLP        gate/up rows, down columns: [r*I/T, (r+1)*I/T)     T must divide I
+    experts    every expert's gate/up rows, down columns, alike   T must divide the experts' I
     vocab      embedding and LM head rows: [r*V', (r+1)*V') ∩ [0, V), V' = ceil(V/T)
 
 Column-parallel layers (qkv, gate/up) need no communication; the row-parallel ones (o, down)
@@ -29,6 +30,7 @@ class TPShard:
     vocab: tuple[int, int]  # [start, stop) of the rows this rank holds, padding included
     vocab_size: int  # the model's vocabulary: rows at or past it are zero padding
     total_kv_heads: int  # the model's KV heads (kv_heads is a range of them)
+    moe_intermediate: tuple[int, int] = (0, 0)  # [start, stop) of every expert's intermediate features
 
     @property
     def num_heads(self) -> int:
@@ -43,19 +45,26 @@ class TPShard:
         return self.intermediate[1] - self.intermediate[0]
 
     @property
+    def moe_intermediate_size(self) -> int:
+        return self.moe_intermediate[1] - self.moe_intermediate[0]
+
+    @property
     def vocab_rows(self) -> int:
         return self.vocab[1] - self.vocab[0]
 
     def features(self, part: str, head_dim: int) -> tuple[int, int]:
         """[start, stop) of this rank's features of a split weight: "q" or "kv" heads (times
-        head_dim), or the "mlp" intermediate features."""
+        head_dim), the "mlp" intermediate features, or an expert's ("moe")."""
         if part == "mlp":
             return self.intermediate
+        if part == "moe":
+            return self.moe_intermediate
         lo, hi = self.q_heads if part == "q" else self.kv_heads
         return lo * head_dim, hi * head_dim
 
 
-def tp_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[str]:
+def tp_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                moe_intermediate_size: int = 0) -> list[str]:
     """Why `size` ranks cannot split this model ([] when they can), each a full sentence: the
     heads by the worker contract's rule (the operator checks spec.model.heads by it too), and
     the MLP width, which only the engine sees."""
@@ -64,16 +73,20 @@ def tp_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size:
         return [heads]
     if intermediate_size % size:
         return [f"tp_size {size} does not divide the model's MLP size {intermediate_size}"]
+    if moe_intermediate_size % size:
+        return [f"tp_size {size} does not divide the model's expert MLP size {moe_intermediate_size}"]
     return []
 
 
 def plan_shard(rank: int, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-               vocab_size: int) -> TPShard:
-    problems = tp_problems(size, num_heads, num_kv_heads, intermediate_size)
+               vocab_size: int, moe_intermediate_size: int = 0) -> TPShard:
+    problems = tp_problems(size, num_heads, num_kv_heads, intermediate_size, moe_intermediate_size)
     if problems:
         raise ValueError("; ".join(problems))
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} outside tp_size {size}")
     hq, inter, rows = num_heads // size, intermediate_size // size, -(-vocab_size // size)
+    moe = moe_intermediate_size // size
     return TPShard(rank, size, (rank * hq, (rank + 1) * hq), shard_heads(num_kv_heads, size, rank),
-                   (rank * inter, (rank + 1) * inter), (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads)
+                   (rank * inter, (rank + 1) * inter), (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads,
+                   (rank * moe, (rank + 1) * moe))

@@ -94,9 +94,12 @@ class ModelRunner:
         if self.config.layer_ops not in ("auto", "cpu-kernels"):
             raise ValueError(f"deterministic mode computes norms with the CPU kernels, not layer_ops="
                              f"{self.config.layer_ops}")
+        if mc.num_experts:
+            raise ValueError("deterministic mode does not cover mixture-of-experts models yet: an expert's "
+                             "matmuls take as many rows as tokens were routed to it")
         if not cpu_kernels.available():
             raise ValueError(f"deterministic mode needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
-        if not cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype):
+        if not cpu_kernels.supports_layer_ops(mc.hidden_size, mc.mlp_width_gcd, mc.head_dim, self.dtype):
             raise ValueError("deterministic mode needs the CPU layer ops, which do not handle this model's shapes "
                              "(hidden and intermediate sizes multiples of 16, head_dim of 32)")
         if not cpu_kernels.supports(mc.head_dim, mc.num_heads, mc.num_kv_heads, self.dtype):
@@ -108,7 +111,7 @@ class ModelRunner:
         if self.config.deterministic:  # checked by _check_deterministic, whatever the CPU plan prefers
             return "cpu-kernels"
         cpu_ok = (self.device.type == "cpu" and cpu_kernels.enabled("layer_ops")
-                  and cpu_kernels.supports_layer_ops(mc.hidden_size, mc.intermediate_size, mc.head_dim, self.dtype))
+                  and cpu_kernels.supports_layer_ops(mc.hidden_size, mc.mlp_width_gcd, mc.head_dim, self.dtype))
         return layer_ops_choice.choose(self.config.layer_ops, self.device.type, self.dtype, mc.head_dim,
                                 flashinfer_installed(), cpu_ok)
 
@@ -126,6 +129,8 @@ class ModelRunner:
         """Whether `attach` will capture CUDA graphs; known before the pool is sized, since the
         graphs keep memory the pool must leave free. FlashInfer is the backend with graph hooks."""
         if self.device.type != "cuda" or self.config.disable_cuda_graph:
+            return False
+        if self.model_config.num_experts:  # the experts' grouping reads counts on the host (models/moe.py)
             return False
         chosen = choose_backend(self.config.attention_backend, "cuda", self.dtype, self.head_dim,
                                 flashinfer_installed())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_checks import assert_whole
 
-ARCHS = ["tiny", "tiny-llama", "tiny-qwen2"]
+ARCHS = ["tiny", "tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-mixtral"]
 MAX_NEW = 20
 # Overlap unless a scenario says otherwise: it is the riskier loop (on CPU the default is normal).
 BASE = dict(dtype="float32", max_total_tokens=4096, max_running_requests=16, disable_overlap_schedule=False)

@@ -1,0 +1,97 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts,
+each expert is a SwiGLU MLP, and a token's output is its experts' outputs weighted by the router.
+
+    x (T, H) --router, fp32--> softmax over E experts --top-k--> (T, k) experts and weights
+                                                                  [renormalised to sum 1]
+    (token, expert) pairs sorted by expert; for each expert that has tokens, one gate_up and
+    one down matmul over exactly its tokens (a grouped GEMM: the loop runs over experts, never
+    over tokens); each result, times its weight, is added into its token's row.
+
+The router runs in fp32 whatever the model's dtype, so that top-k picks what HF's fp32
+softmax picks. Experts are added in ascending order, as HF's loop adds them, so a token's
+sum is rounded the same way.
+
+Tensor parallelism: every rank holds every expert's slice of the intermediate features
+(gate/up rows and down columns [r*I/T, (r+1)*I/T)) and the whole router; each rank's sum is
+a partial of the output, and the dense MLP's all-reduce completes it. No new collective.
+
+Checkpoint names (loader.py): Qwen3-MoE `mlp.gate` and `mlp.experts.<e>.{gate,up,down}_proj`,
+Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.models.layer_ops import TORCH, LayerOps
+from tandem.engine.models.layers import bucketed
+from tandem.engine.parallel.group import SINGLE, TPGroup
+
+# checkpoint name -> (this module's parameter, which part of it: 0 gate rows, 1 up rows, 2 down)
+_EXPERT = re.compile(
+    r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_ROUTER = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def expert_weight(name: str) -> tuple[str, int, int] | None:
+    """For a checkpoint tensor of an expert: (the native parameter, expert, part), else None."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    part = _PART[m.group(3)]
+    return f"{m.group(1)}.mlp.{'down' if part == 2 else 'gate_up'}", int(m.group(2)), part
+
+
+def router_weight(name: str) -> str | None:
+    """The native name of a router's weight (`<layer>.mlp.router`), else None."""
+    m = _ROUTER.match(name)
+    return None if m is None else f"{m.group(1)}.mlp.router"
+
+
+class SparseMoE(nn.Module):
+    ops: LayerOps = TORCH  # SiLU * mul
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+                 tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top-k {top_k} must be in 1..{num_experts} (the experts)")
+        self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.router = nn.Parameter(torch.empty(num_experts, hidden))
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [gate; up] rows
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights, both (T, k); the weights in fp32."""
+        probs = torch.softmax(F.linear(x.float(), self.router.float()), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the step's one host sync
+        pair_weights = weights.flatten().to(x.dtype)
+        # oneDNN (CPU bf16) builds a kernel per row count: pad each group to its row bucket.
+        pad = x.device.type == "cpu" and x.dtype != torch.float32
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // self.top_k
+            gate_up, down = self.gate_up[expert], self.down[expert]
+            mlp = lambda h, gu=gate_up, d=down: F.linear(self.ops.silu_and_mul(F.linear(h, gu)), d)  # noqa: E731
+            y = bucketed(mlp, x[tokens]) if pad else mlp(x[tokens])
+            out.index_add_(0, tokens, y * pair_weights[pairs, None])
+        return self.tp.all_reduce(out)
