@@ -43,6 +43,9 @@ class EngineConfig:
     # each, rendezvous at dist_init_addr ("host:port"; DP rank r uses port + r). None: a free
     # loopback port, for ranks that all run on this machine.
     tp_size: int = 1
+    # Expert parallelism (MoE models, engine/parallel/experts.py): 1, or tp_size to give each TP
+    # rank whole experts instead of a share of every expert.
+    ep_size: int = 1
     dist_init_addr: str | None = None
     debug_tp_digest: bool = False  # ranks compare a digest of every batch (parallel/digest.py)
     base_gpu_id: int = 0  # CUDA: DP rank r, TP rank t runs on GPU base_gpu_id + r * tp_size + t (device_map.py)
@@ -104,6 +107,9 @@ class EngineConfig:
             raise ValueError("dp_size must be >= 1")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if not isinstance(self.ep_size, int) or self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size must be 1 or tp_size ({self.tp_size}): expert parallelism runs on the "
+                             f"TP group's ranks, got {self.ep_size!r}")
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 1024 <= int(port) <= 65535 - self.dp_size:
@@ -158,7 +164,7 @@ class EngineConfig:
             max_running_requests=self.max_running_requests, max_context_len=self.max_context_len,
             attention_backend=self.attention_backend, layer_ops=self.layer_ops,
             decode_tensor_cores=self.decode_tensor_cores, decode_split_kv=self.decode_split_kv,
-            fused_rope_kv=self.fused_rope_kv, deterministic=self.deterministic,
+            fused_rope_kv=self.fused_rope_kv, deterministic=self.deterministic, ep_size=self.ep_size,
             disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
         )

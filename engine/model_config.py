@@ -72,19 +72,31 @@ class ModelConfig:
     def tp_size(self) -> int:
         return 1 if self.shard is None else self.shard.size
 
-    def for_rank(self, rank: int, size: int) -> ModelConfig:
+    @property
+    def local_experts(self) -> tuple[int, ...]:
+        """The experts this rank holds: all of them but under expert parallelism."""
+        held = None if self.shard is None else self.shard.experts
+        return tuple(range(self.num_experts)) if held is None else held
+
+    def for_rank(self, rank: int, size: int, ep_size: int = 1) -> ModelConfig:
         """This config as tensor-parallel rank `rank` of `size` sees it: its own heads, KV heads
-        and MLP width (the vocabulary stays whole: the LM head's logits are gathered)."""
+        and MLP width (the vocabulary stays whole: the LM head's logits are gathered); with
+        `ep_size` (= size) its own experts, whole (parallel/experts.py)."""
         from dataclasses import replace
 
+        from tandem.engine.parallel.experts import contiguous, ep_problem
         from tandem.engine.parallel.shard import plan_shard
 
         if self.shard is not None:
             raise ValueError("this config is a rank's view already")
+        problem = ep_problem(ep_size, size, self.num_experts)
+        if problem is not None:
+            raise ValueError(problem)
         if size == 1:
             return self
+        placement = contiguous(self.num_experts, ep_size) if ep_size > 1 else None
         s = plan_shard(rank, size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
-                       self.moe_intermediate_size)
+                       self.moe_intermediate_size, placement)
         return replace(self, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
                        intermediate_size=s.intermediate_size, moe_intermediate_size=s.moe_intermediate_size, shard=s)
 
@@ -194,6 +206,7 @@ class RunnerConfig:
     # "Deterministic mode"): fixed-shape matmuls (models/batch_invariant.py), one attention
     # reduction for every token (attention/torch_backend.py), per-row norms, ordered TP sums.
     deterministic: bool = False
+    ep_size: int = 1  # expert parallelism over the TP group's ranks (parallel/experts.py)
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     # The largest forward the scheduler runs (its prefill chunk): sizes the activation reserve.
     max_forward_tokens: int = 8192

@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
         self.mlp: GatedMLP | SparseMoE
         if layer_id in cfg.sparse_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, tp, cfg.local_experts)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

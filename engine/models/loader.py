@@ -105,6 +105,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model = model.to_empty(device="cpu")
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    local = {e: i for i, e in enumerate(cfg.local_experts)}  # expert parallelism: the experts held here
     for key, tensor in _checkpoint_tensors(Path(cfg.path)):
         name = key.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -112,8 +113,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
         expert = expert_weight(name)
         if expert is not None:  # one expert's gate, up or down: a slice of the stacked parameter
             target, e, part = expert
-            _load_expert(cfg, params[target].data[e], part, tensor)
-            loaded.add(f"{target}#{e}.{part}")
+            if e in local:  # another rank's expert otherwise
+                _load_expert(cfg, params[target].data[local[e]], part, tensor)
+                loaded.add(f"{target}#{local[e]}.{part}")
             continue
         name = router_weight(name) or name
         layer_prefix, _, suffix = name.rpartition(".")  # e.g. layers.0.self_attn.q_proj / weight

@@ -14,6 +14,8 @@ sum is rounded the same way.
 Tensor parallelism: every rank holds every expert's slice of the intermediate features
 (gate/up rows and down columns [r*I/T, (r+1)*I/T)) and the whole router; each rank's sum is
 a partial of the output, and the dense MLP's all-reduce completes it. No new collective.
+With expert parallelism (parallel/experts.py) a rank holds its experts whole instead and
+computes only the tokens routed to them; the same all-reduce combines the ranks.
 
 Checkpoint names (loader.py): Qwen3-MoE `mlp.gate` and `mlp.experts.<e>.{gate,up,down}_proj`,
 Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down).
@@ -21,6 +23,7 @@ Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.<e>.{w1,w3,w2}` (g
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import torch
@@ -57,14 +60,18 @@ class SparseMoE(nn.Module):
     ops: LayerOps = TORCH  # SiLU * mul
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, experts: tuple[int, ...] | None = None) -> None:
+        """`experts`: the experts this rank holds under expert parallelism (None: all of them);
+        the router still scores every expert, and a token's other experts are other ranks'."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top-k {top_k} must be in 1..{num_experts} (the experts)")
         self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.experts = tuple(range(num_experts)) if experts is None else tuple(experts)
+        held = len(self.experts)
         self.router = nn.Parameter(torch.empty(num_experts, hidden))
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [gate; up] rows
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up = nn.Parameter(torch.empty(held, 2 * intermediate, hidden))  # [gate; up] rows
+        self.down = nn.Parameter(torch.empty(held, hidden, intermediate))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, both (T, k); the weights in fp32."""
@@ -79,18 +86,18 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the step's one host sync
+        starts = [0, *itertools.accumulate(counts)]
         pair_weights = weights.flatten().to(x.dtype)
         # oneDNN (CPU bf16) builds a kernel per row count: pad each group to its row bucket.
         pad = x.device.type == "cpu" and x.dtype != torch.float32
         out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
+        for i, expert in enumerate(self.experts):  # ascending: HF's order of adds
+            n = counts[expert]
             if n == 0:
                 continue
-            pairs = order[start : start + n]
-            start += n
+            pairs = order[starts[expert] : starts[expert] + n]
             tokens = pairs // self.top_k
-            gate_up, down = self.gate_up[expert], self.down[expert]
+            gate_up, down = self.gate_up[i], self.down[i]
             mlp = lambda h, gu=gate_up, d=down: F.linear(self.ops.silu_and_mul(F.linear(h, gu)), d)  # noqa: E731
             y = bucketed(mlp, x[tokens]) if pad else mlp(x[tokens])
             out.index_add_(0, tokens, y * pair_weights[pairs, None])

@@ -5,6 +5,7 @@
                            T % H == 0: the one head r // (T/H)     replicated (T > H)
     MLP        gate/up rows, down columns: [r*I/T, (r+1)*I/T)     T must divide I
     experts    every expert's gate/up rows, down columns, alike   T must divide the experts' I
+               or, with expert parallelism, whole experts per rank (parallel/experts.py)
     vocab      embedding and LM head rows: [r*V', (r+1)*V') ∩ [0, V), V' = ceil(V/T)
 
 Column-parallel layers (qkv, gate/up) need no communication; the row-parallel ones (o, down)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engine.parallel.experts import ExpertPlacement
 from tandem.protocol.kv_layout import shard_heads
 from tandem.worker_contract import tp_head_problem
 
@@ -31,6 +33,9 @@ class TPShard:
     vocab_size: int  # the model's vocabulary: rows at or past it are zero padding
     total_kv_heads: int  # the model's KV heads (kv_heads is a range of them)
     moe_intermediate: tuple[int, int] = (0, 0)  # [start, stop) of every expert's intermediate features
+    # Expert parallelism (parallel/experts.py): the experts this rank holds, whole; None: every
+    # expert, each split by moe_intermediate.
+    experts: tuple[int, ...] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -79,14 +84,18 @@ def tp_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size:
 
 
 def plan_shard(rank: int, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-               vocab_size: int, moe_intermediate_size: int = 0) -> TPShard:
-    problems = tp_problems(size, num_heads, num_kv_heads, intermediate_size, moe_intermediate_size)
+               vocab_size: int, moe_intermediate_size: int = 0, placement: ExpertPlacement | None = None) -> TPShard:
+    """`placement`: expert parallelism, each rank holding its experts whole (parallel/experts.py)."""
+    split_experts = moe_intermediate_size if placement is None else 0
+    problems = tp_problems(size, num_heads, num_kv_heads, intermediate_size, split_experts)
     if problems:
         raise ValueError("; ".join(problems))
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} outside tp_size {size}")
     hq, inter, rows = num_heads // size, intermediate_size // size, -(-vocab_size // size)
-    moe = moe_intermediate_size // size
+    moe = (rank * (moe_intermediate_size // size), (rank + 1) * (moe_intermediate_size // size))
+    if placement is not None:
+        moe = (0, moe_intermediate_size)
     return TPShard(rank, size, (rank * hq, (rank + 1) * hq), shard_heads(num_kv_heads, size, rank),
                    (rank * inter, (rank + 1) * inter), (rank * rows, (rank + 1) * rows), vocab_size, num_kv_heads,
-                   (rank * moe, (rank + 1) * moe))
+                   moe, None if placement is None else placement.held_by(rank))

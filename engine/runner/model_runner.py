@@ -61,7 +61,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         # Under tensor parallelism: this rank's view (its heads, KV heads and MLP share).
-        self.model_config = mc = ModelConfig.from_pretrained(model_path).for_rank(tp.rank, tp.size)
+        self.model_config = mc = ModelConfig.from_pretrained(model_path).for_rank(tp.rank, tp.size, config.ep_size)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.page_size = config.page_size

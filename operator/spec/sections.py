@@ -58,6 +58,7 @@ class RoleSpec:
     startup_timeout_s: int
     service_type: str
     service_port: int
+    expert_parallel_size: int = 1  # 1, or tensor_parallel_size (EP runs on the TP ranks)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,12 @@ def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) ->
                                hi=MAX_SECONDS),
         service_type=str(raw.get("serviceType", "ClusterIP")),
         service_port=_int(raw.get("servicePort", 80), f"{where}.servicePort", errors, lo=1, hi=65535),
+        expert_parallel_size=_int(raw.get("expertParallelSize", 1), f"{where}.expertParallelSize", errors, lo=1,
+                                  hi=MAX_TENSOR_PARALLEL),
     )
+    if spec.expert_parallel_size not in (1, spec.tensor_parallel_size):  # a CR past admission
+        errors.append(f"{where}.expertParallelSize {spec.expert_parallel_size} must be 1 or tensorParallelSize "
+                      f"{spec.tensor_parallel_size}")
     _check_extra_args(role, spec.extra_args, errors)
     if not all(isinstance(spec.template.get(k, {}), dict) for k in ("metadata", "spec")):
         errors.append(f"{where}.template.metadata and {where}.template.spec must be mappings")

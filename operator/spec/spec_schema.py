@@ -57,6 +57,10 @@ def role_schema(role: str, *, worker: bool) -> Schema:
     }
     if worker:
         props["tensorParallelSize"] = integer(1, 64, 1, "GPUs per pod that one model replica spans.")
+        props["expertParallelSize"] = integer(1, 64, 1, (
+            "Expert parallelism for a mixture-of-experts model: 1 (each GPU holds a share of every "
+            "expert), or tensorParallelSize (each GPU holds whole experts). It runs on the tensor-parallel "
+            "ranks, so the pod's GPUs stay tensorParallelSize."))
         props["drainTimeoutSeconds"] = integer(
             0, 3600, 120, "How long preStop waits for in-flight requests; the grace period adds 30 s.")
         props["startupTimeoutSeconds"] = integer(30, 7200, 900, "Model load budget before liveness applies.")
@@ -68,9 +72,11 @@ def role_schema(role: str, *, worker: bool) -> Schema:
         props["tensorParallelSize"] = integer(1, 1, 1, "The router runs no model.")
         props["serviceType"] = string(enum=("ClusterIP", "NodePort", "LoadBalancer"), default="ClusterIP")
         props["servicePort"] = integer(1, 65535, 80, "Port of the client-facing Service.")
-    return obj(props, default={}, rules=(
-        ("self.minReplicas <= self.maxReplicas", f"{role}.minReplicas must not exceed {role}.maxReplicas"),
-    ))
+    rules = [("self.minReplicas <= self.maxReplicas", f"{role}.minReplicas must not exceed {role}.maxReplicas")]
+    if worker:
+        rules.append(("self.expertParallelSize == 1 || self.expertParallelSize == self.tensorParallelSize",
+                      f"{role}.expertParallelSize must be 1 or {role}.tensorParallelSize"))
+    return obj(props, default={}, rules=tuple(rules))
 
 
 MODEL = obj(

@@ -3,8 +3,8 @@
 The tiny random twins are built by the project's model builder through transformers' own
 config classes (tiny-qwen3-moe: 8 experts, top 2, renormalised, layer 1 dense;
 tiny-mixtral: 4 experts, top 2). Greedy fp32 tokens equal HF's in every scheduler mode
-(tests/engine/test_scheduler_vs_hf.py runs them with the dense presets) and under tensor
-parallelism; the router's choice is the fp32 one in bf16 too; a checkpoint's expert tensors
+(tests/engine/test_scheduler_vs_hf.py runs them with the dense presets), under tensor
+parallelism and under expert parallelism; the router's choice is the fp32 one in bf16 too; a checkpoint's expert tensors
 land where they belong, and a missing one is named.
 """
 
@@ -44,15 +44,39 @@ def test_the_configs_name_their_experts(model_path) -> None:
     assert m.sparse_layers == tuple(range(m.num_layers)) and m.moe_intermediate_size == m.intermediate_size
 
 
+@pytest.mark.parametrize("ep", [1, 2], ids=["tp2", "tp2-ep2"])
 @pytest.mark.parametrize("arch", MOE)
-def test_tensor_parallel_greedy_equals_hf(engine, model_path, arch: str) -> None:
-    """TP 2: every rank holds every expert's half of the intermediate features."""
-    eng = engine(arch, tp_size=2, max_total_tokens=4096)
+def test_tensor_and_expert_parallel_greedy_equals_hf(engine, model_path, arch: str, ep: int) -> None:
+    """TP 2: every rank holds every expert's half of the intermediate features; EP 2: every rank
+    holds half of the experts, whole (engine/parallel/experts.py)."""
+    eng = engine(arch, tp_size=2, ep_size=ep, max_total_tokens=4096)
     prompts = _prompts(eng.tokenizer.vocab_size)
     got = [o["token_ids"] for o in eng.generate(prompts, SP)]
     assert_whole(eng)
     eng.shutdown()
     assert got == _hf_greedy(model_path(arch), prompts)
+
+
+def test_expert_placement_is_a_table_and_bad_sizes_are_named() -> None:
+    from tandem.engine.engine_config import EngineConfig
+    from tandem.engine.parallel.experts import contiguous, ep_problem
+    from tandem.engine.parallel.shard import plan_shard
+
+    table = contiguous(8, 2)
+    assert table.owner == (0, 0, 0, 0, 1, 1, 1, 1) and table.held_by(1) == (4, 5, 6, 7)
+    shard = plan_shard(1, 2, 4, 2, 768, 8192, moe_intermediate_size=128, placement=table)
+    assert shard.experts == (4, 5, 6, 7) and shard.moe_intermediate == (0, 128)  # whole experts
+    assert ep_problem(2, 2, 8) is None
+    assert "must be 1 or tp_size" in ep_problem(2, 4, 8)
+    assert "does not divide the model's 6 experts" in ep_problem(4, 4, 6)
+    assert "dense" in ep_problem(2, 2, 0)
+    with pytest.raises(ValueError, match="ep_size must be 1 or tp_size"):
+        EngineConfig(tp_size=2, ep_size=4)
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused(model_path) -> None:
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        ModelConfig.from_pretrained(model_path("tiny")).for_rank(0, 2, ep_size=2)
 
 
 def test_routing_weights_renormalise_only_when_asked() -> None:

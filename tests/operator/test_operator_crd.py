@@ -147,6 +147,7 @@ CEL_BROKEN: dict[str, tuple[str, Any]] = {
     "inverted ratio": ("spec.autoscaling.ratio", {"min": 3.0, "max": 1.0}),
     "prometheus without url": ("spec.autoscaling.metricsSource", {"type": "prometheus"}),
     "long name": ("metadata.name", "x" * 41),
+    "ep neither 1 nor tp": ("spec.decode.expertParallelSize", 2),  # tensorParallelSize defaults to 1
 }
 
 

@@ -129,3 +129,20 @@ def test_tp_the_heads_refuse_is_an_invalid_spec_condition(minimal_cr: dict[str, 
 def test_malformed_heads_are_spec_errors(minimal_cr: dict[str, Any], heads: Any) -> None:
     with pytest.raises(SpecError, match="spec.model.heads"):
         parse_service(tp_cr(minimal_cr, 1, 1, heads))
+
+
+def test_expert_parallelism_rides_on_the_tp_ranks(minimal_cr: dict[str, Any]) -> None:
+    """expertParallelSize = tensorParallelSize gives the worker ep_size; its GPUs stay tp."""
+    cr = tp_cr(minimal_cr, 2, 4)
+    cr["spec"]["decode"]["expertParallelSize"] = 4
+    pods = worker_pods(cr)
+    assert pods[names.DECODE][2].engine_args["ep_size"] == 4
+    assert pods[names.DECODE][1]["resources"]["limits"][GPU] == 4
+    assert "ep_size" not in pods[names.PREFILL][2].engine_args
+
+
+def test_expert_parallelism_other_than_tp_is_refused(minimal_cr: dict[str, Any]) -> None:
+    cr = tp_cr(minimal_cr, 2, 2)
+    cr["spec"]["prefill"]["expertParallelSize"] = 4
+    with pytest.raises(SpecError, match="expertParallelSize 4 must be 1 or tensorParallelSize 2"):
+        parse_service(cr)
