@@ -16,6 +16,7 @@ from tandem.worker_contract import EngineYaml
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "follow_bootstrap_room")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class EngineConfig:
     deterministic: bool = False
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     max_context_len: int | None = None
+    # How the KV pool stores K and V (SGLang's --kv-cache-dtype): "auto" (the model's dtype), or
+    # fp8_e4m3 / fp8_e5m2, a byte per value (kvcache/kv_memory.py: kv_storage_dtype).
+    kv_cache_dtype: str = "auto"
     waiting_timeout: float | None = None  # seconds a request may wait before it is aborted
     running_timeout: float | None = None  # seconds a request may run before it is aborted
     # Congestion control of the KV budget (SGLang's new_token_ratio).
@@ -107,6 +111,8 @@ class EngineConfig:
             raise ValueError("dp_size must be >= 1")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError("tp_size must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.ep_size, int) or self.ep_size not in (1, self.tp_size):
             raise ValueError(f"ep_size must be 1 or tp_size ({self.tp_size}): expert parallelism runs on the "
                              f"TP group's ranks, got {self.ep_size!r}")
@@ -165,6 +171,7 @@ class EngineConfig:
             attention_backend=self.attention_backend, layer_ops=self.layer_ops,
             decode_tensor_cores=self.decode_tensor_cores, decode_split_kv=self.decode_split_kv,
             fused_rope_kv=self.fused_rope_kv, deterministic=self.deterministic, ep_size=self.ep_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
         )

@@ -207,6 +207,7 @@ class RunnerConfig:
     # reduction for every token (attention/torch_backend.py), per-row norms, ordered TP sums.
     deterministic: bool = False
     ep_size: int = 1  # expert parallelism over the TP group's ranks (parallel/experts.py)
+    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 | fp8_e5m2 (kvcache/kv_memory.py: kv_storage_dtype)
     cuda_graph_max_bs: int | None = None  # None: every decode batch up to max_running_requests
     # The largest forward the scheduler runs (its prefill chunk): sizes the activation reserve.
     max_forward_tokens: int = 8192

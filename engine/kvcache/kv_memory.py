@@ -79,6 +79,16 @@ def kv_budget_bytes(total: int, free: int, weight_bytes: int, fraction: float, r
     return max(0, min(int(total * fraction) - weight_bytes, free - reserve))
 
 
+_FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_storage_dtype(config: RunnerConfig, dtype: torch.dtype) -> torch.dtype:
+    """What the pool stores K and V as: the model's dtype, or an fp8 format (a byte a value:
+    twice the tokens in the same memory; attention upcasts what it reads)."""
+    name = _FP8.get(config.kv_cache_dtype)
+    return dtype if name is None else getattr(torch, name)
+
+
 def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
                     weight_bytes: int, max_context_len: int, graph_bytes: int = 0,
                     agree: Callable[[int], int] = lambda tokens: tokens) -> KVMemory:
@@ -86,10 +96,11 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
     `graph_bytes` is what the runner's CUDA graphs will hold, 0 without them. `agree` turns this
     process's token count into the one every tensor-parallel rank uses (their minimum)."""
     mc, P = model_config, config.page_size
+    kv_dtype = kv_storage_dtype(config, dtype)
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
-        per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=dtype).element_size()
+        per_token = mc.num_layers * 2 * mc.kv_size * torch.tensor([], dtype=kv_dtype).element_size()
         total, free = device_memory(device)
         budget = kv_budget_bytes(total, free, weight_bytes, config.mem_fraction_static,
                                  reserve_bytes(mc, config, dtype, device, max_context_len, graph_bytes))
@@ -98,7 +109,7 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
             tokens = min(tokens, CPU_AUTO_MAX_TOKENS)
     num_pages = -(-agree(tokens) // P) + 1  # +1: the reserved page 0
     shard = mc.shard  # a tensor-parallel rank's pool holds its range of the KV heads
-    kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device,
+    kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, device,
                             heads=None if shard is None else shard.kv_heads,
                             total_kv_heads=0 if shard is None else shard.total_kv_heads)
     req_table = ReqToTokenPool(req_table_rows(config), max_context_len, device)

@@ -102,6 +102,10 @@ class TokenToKVPool:
                 and kv_store_triton.rows_are_dense(k) and kv_store_triton.rows_are_dense(v)):
             self._store(self.kv_buffer[layer, 0], self.kv_buffer[layer, 1], loc.contiguous(), k, v)
             return
+        if self.kv_buffer.element_size() == 1:  # fp8: torch's CPU index_copy_ takes its bytes only
+            self.kv_buffer[layer, 0].view(torch.uint8).index_copy_(0, loc, k.to(self.dtype).view(torch.uint8))
+            self.kv_buffer[layer, 1].view(torch.uint8).index_copy_(0, loc, v.to(self.dtype).view(torch.uint8))
+            return
         self.kv_buffer[layer, 0].index_copy_(0, loc, k.to(self.dtype))
         self.kv_buffer[layer, 1].index_copy_(0, loc, v.to(self.dtype))
 

@@ -72,6 +72,8 @@ class ModelRunner:
 
         if config.deterministic:
             self._check_deterministic()
+        if config.kv_cache_dtype != "auto":
+            self._check_fp8_kv()
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         pack = config.cpu_packed_linear and can_pack_linears(self.device, self.dtype)
         if config.deterministic:
@@ -105,6 +107,15 @@ class ModelRunner:
         if not cpu_kernels.supports(mc.head_dim, mc.num_heads, mc.num_kv_heads, self.dtype):
             raise ValueError(f"deterministic mode needs the CPU extend-attention kernel, which does not handle "
                              f"head_dim {mc.head_dim} with {mc.num_heads} heads over {mc.num_kv_heads} kv heads")
+
+    def _check_fp8_kv(self) -> None:
+        """An fp8 KV pool is read by the torch backend's gather-and-upcast attention (CPU);
+        refused where that is not what would run."""
+        if self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype} runs on CPU in this release: on CUDA it "
+                             "needs FlashInfer's fp8-KV kernels wired in (docs/engine.md, \"FP8 KV cache\")")
+        if self.config.deterministic:
+            raise ValueError("deterministic mode reads the KV through the extend kernel, which takes no fp8 KV")
 
     def _choose_layer_ops(self) -> str:
         mc = self.model_config

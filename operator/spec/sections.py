@@ -32,6 +32,7 @@ ENGINE_ARG_NAMES = {
     "deterministic": "deterministic",
     "dtype": "dtype",
     "memFractionStatic": "mem_fraction_static",
+    "kvCacheDtype": "kv_cache_dtype",
 }
 
 

@@ -125,6 +125,9 @@ ENGINE = obj(
                                              "hits (CPU workers; docs/engine.md, Deterministic mode)."),
         "dtype": string(enum=("auto", "float16", "bfloat16", "float32", "half")),
         "memFractionStatic": number(0.05, 0.99),
+        "kvCacheDtype": string(enum=("auto", "fp8_e4m3", "fp8_e5m2"), desc=(
+            "How the KV pool stores K and V: the model's dtype, or a byte a value (docs/engine.md, FP8 KV "
+            "cache). One field for both roles: a prefill and a decode must store KV alike.")),
         "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
                   "description": "Further engine args, written to engine.yaml as given (snake_case keys)."},
     },

@@ -283,3 +283,13 @@ def test_the_routers_prestop_drains_through_its_admin_listener(minimal_cr: dict[
     c = router["spec"]["template"]["spec"]["containers"][0]
     drain = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
     assert f"127.0.0.1:{contract.ROUTER_ADMIN_PORT}/drain" in drain
+
+
+def test_the_kv_cache_dtype_is_one_field_for_both_roles(minimal_cr) -> None:
+    """spec.engine.kvCacheDtype reaches both roles' engine.yaml alike: they cannot store KV apart."""
+    import copy
+
+    cr = copy.deepcopy(minimal_cr)
+    cr["spec"]["engine"] = {"kvCacheDtype": "fp8_e4m3"}
+    data = next(c for (kind, _), c in by_kind(render(cr)).items() if kind == "ConfigMap")["data"]
+    assert {yaml.safe_load(data[f"{role}.yaml"])["kv_cache_dtype"] for role in ("prefill", "decode")} == {"fp8_e4m3"}
