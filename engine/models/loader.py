@@ -24,7 +24,7 @@ from torch import nn
 
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.moe import expert_weight, router_weight
+from tandem.engine.models.moe import expert_weight, router_weight, stacked_experts
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -117,6 +117,14 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
                 _load_expert(cfg, params[target].data[local[e]], part, tensor)
                 loaded.add(f"{target}#{local[e]}.{part}")
             continue
+        stacked = stacked_experts(name)
+        if stacked is not None:  # every expert of the layer in one tensor: each held one's slice
+            target, gate_up = stacked
+            for e, i in local.items():
+                for part in ((0, 1) if gate_up else (2,)):
+                    _load_expert(cfg, params[target].data[i], part, _ExpertSlice(tensor, e, part))
+                    loaded.add(f"{target}#{i}.{part}")
+            continue
         name = router_weight(name) or name
         layer_prefix, _, suffix = name.rpartition(".")  # e.g. layers.0.self_attn.q_proj / weight
         for src, (dst, shard) in _FUSED.items():
@@ -135,6 +143,23 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     # to_empty() wiped the RoPE tables along with the parameters; rebuild them.
     model.rope.__init__(cfg.hf_config, cfg.head_dim, max_positions)
     return model.to(device=device, dtype=dtype).eval()
+
+
+class _ExpertSlice:
+    """One expert's gate, up or down matrix inside a stacked (E, 2I, H) or (E, H, I) tensor, read
+    lazily like a checkpoint tensor: `[lo:hi]` rows of gate or up, `[:, lo:hi]` columns of down."""
+
+    def __init__(self, tensor: Any, expert: int, part: int) -> None:
+        self.tensor, self.expert, self.part = tensor, expert, part
+        self.offset = tensor.get_shape()[1] // 2 if part == 1 else 0  # up rows follow the gate's
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        e = slice(self.expert, self.expert + 1)
+        if isinstance(key, slice):
+            key = slice((key.start or 0) + self.offset, (key.stop if key.stop is not None
+                                                         else self.tensor.get_shape()[1] // 2) + self.offset)
+            return self.tensor[e, key][0]
+        return self.tensor[(e, *key)][0]
 
 
 def _load_expert(cfg: ModelConfig, dst: torch.Tensor, part: int, tensor: Any) -> None:

@@ -18,7 +18,8 @@ With expert parallelism (parallel/experts.py) a rank holds its experts whole ins
 computes only the tokens routed to them; the same all-reduce combines the ranks.
 
 Checkpoint names (loader.py): Qwen3-MoE `mlp.gate` and `mlp.experts.<e>.{gate,up,down}_proj`,
-Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down).
+Mixtral `block_sparse_moe.gate` and `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down),
+or transformers v5's stacked `experts.gate_up_proj` / `experts.down_proj` (one tensor a layer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from tandem.engine.parallel.group import SINGLE, TPGroup
 _EXPERT = re.compile(
     r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _ROUTER = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+# transformers v5's own layout (what its in-memory model and GGUF conversion hold): every expert
+# of a layer in one 3-D tensor, gate_up_proj (E, 2I, H) and down_proj (E, H, I).
+_STACKED = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
@@ -48,6 +52,15 @@ def expert_weight(name: str) -> tuple[str, int, int] | None:
         return None
     part = _PART[m.group(3)]
     return f"{m.group(1)}.mlp.{'down' if part == 2 else 'gate_up'}", int(m.group(2)), part
+
+
+def stacked_experts(name: str) -> tuple[str, bool] | None:
+    """For a layer's stacked experts tensor: (the native parameter, whether it is gate_up)."""
+    m = _STACKED.match(name)
+    if m is None:
+        return None
+    up = m.group(2) == "gate_up_proj"
+    return f"{m.group(1)}.mlp.{'gate_up' if up else 'down'}", up
 
 
 def router_weight(name: str) -> str | None:

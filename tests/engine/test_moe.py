@@ -156,3 +156,37 @@ def test_a_missing_expert_is_named(model_path, tmp_path) -> None:
 def test_deterministic_mode_refuses_moe(engine) -> None:
     with pytest.raises(Exception, match="mixture-of-experts"):
         engine("tiny-mixtral", deterministic=True, dtype="bfloat16")
+
+
+def _stacked_copy(src, dst) -> None:
+    """`src` rewritten in transformers v5's stacked layout: each layer's experts in one tensor."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    layers: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in weights if ".experts." in n]:
+        m = re.match(r"(.*\.mlp)\.experts\.(\d+)\.(\w+)_proj\.weight", name)
+        layers.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = weights.pop(name)
+    for prefix, experts in layers.items():
+        order = [experts[e] for e in sorted(experts)]
+        weights[f"{prefix}.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate"], x["up"]]) for x in order])
+        weights[f"{prefix}.experts.down_proj"] = torch.stack([x["down"] for x in order])
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (2, 2)])
+def test_the_stacked_expert_layout_loads_alike(model_path, tmp_path, tp: int, ep: int) -> None:
+    """transformers v5's stacked experts (its GGUF conversion writes them) load into the same
+    parameters as per-expert tensors, on every TP or EP rank."""
+    from tandem.engine.models.loader import load_model
+
+    src = model_path("tiny-qwen3-moe")
+    _stacked_copy(src, tmp_path / "stacked")
+    for rank in range(tp):
+        views = [ModelConfig.from_pretrained(p).for_rank(rank, tp, ep) for p in (src, tmp_path / "stacked")]
+        a, b = (dict(load_model(v, torch.float32, torch.device("cpu"), 256).named_parameters()) for v in views)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
