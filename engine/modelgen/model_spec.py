@@ -170,6 +170,13 @@ PRESETS: dict[str, ModelSpec] = {
         _TINY, arch="mixtral", rope_theta=1_000_000.0, tie_word_embeddings=False, intermediate_size=384,
         moe=MoESpec(num_experts=4, top_k=2, intermediate_size=384),
     ),
+    # A mixture-of-experts shape for CPU benchmarks (bench/moe_cpu.py): Qwen3-30B-A3B's proportions
+    # (top 8 of 128 experts there; top 4 of 32 here), ~0.33B parameters, ~60M active a token.
+    "qwen3-moe-small-shape": ModelSpec(
+        arch="qwen3_moe", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, head_dim=64,
+        intermediate_size=2816, vocab_size=16384, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        dtype="bfloat16", init="device", moe=MoESpec(num_experts=32, top_k=4, intermediate_size=256),
+    ),
     # ~152M parameters; for benchmarks.
     "small": ModelSpec(
         arch="llama",
