@@ -105,6 +105,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(x, rope, backend, batch)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
+        if isinstance(self.mlp, SparseMoE):  # routes the batch's tokens only, not the CPU row padding
+            return self.mlp(x, batch.num_tokens), residual
         return self.mlp(x), residual
 
 

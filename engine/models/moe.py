@@ -94,7 +94,12 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+        """`num_tokens`: the rows that are tokens; those past it (the CPU's row-bucket padding,
+        llama.py) are routed nowhere and come out zero. Routed, a zero row picks experts like
+        any other: at one token padded to 16 rows that was 16 times the experts' work."""
+        out = torch.zeros_like(x)
+        x = x if num_tokens is None else x[:num_tokens]
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
@@ -103,7 +108,6 @@ class SparseMoE(nn.Module):
         pair_weights = weights.flatten().to(x.dtype)
         # oneDNN (CPU bf16) builds a kernel per row count: pad each group to its row bucket.
         pad = x.device.type == "cpu" and x.dtype != torch.float32
-        out = torch.zeros_like(x)
         for i, expert in enumerate(self.experts):  # ascending: HF's order of adds
             n = counts[expert]
             if n == 0:

@@ -190,3 +190,12 @@ def test_the_stacked_expert_layout_loads_alike(model_path, tmp_path, tp: int, ep
         views = [ModelConfig.from_pretrained(p).for_rank(rank, tp, ep) for p in (src, tmp_path / "stacked")]
         a, b = (dict(load_model(v, torch.float32, torch.device("cpu"), 256).named_parameters()) for v in views)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_padding_rows_are_routed_nowhere() -> None:
+    """The CPU pads a bf16 batch's rows to a bucket (llama.py): only the real ones reach experts."""
+    moe = _random_moe(3, 32, 16, 6, 2, True)
+    x = torch.randn(3, 32)
+    padded = torch.cat([x, torch.zeros(13, 32)])
+    out = moe(padded, num_tokens=3)
+    assert torch.equal(out[:3], moe(x)) and not out[3:].any()
