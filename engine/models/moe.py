@@ -24,6 +24,7 @@ or transformers v5's stacked `experts.gate_up_proj` / `experts.down_proj` (one t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -114,8 +115,11 @@ class SparseMoE(nn.Module):
                 continue
             pairs = order[starts[expert] : starts[expert] + n]
             tokens = pairs // self.top_k
-            gate_up, down = self.gate_up[i], self.down[i]
-            mlp = lambda h, gu=gate_up, d=down: F.linear(self.ops.silu_and_mul(F.linear(h, gu)), d)  # noqa: E731
+            mlp = functools.partial(self._expert, i)
             y = bucketed(mlp, x[tokens]) if pad else mlp(x[tokens])
             out.index_add_(0, tokens, y * pair_weights[pairs, None])
         return self.tp.all_reduce(out)
+
+    def _expert(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of held expert i over rows h."""
+        return F.linear(self.ops.silu_and_mul(F.linear(h, self.gate_up[i])), self.down[i])

@@ -54,7 +54,6 @@ class OutputProcessor:
                     if i < batch.num_extend_reqs:
                         self.cache.cache_unfinished(req)
                     self.pending.append(req)
-        self.flush()
 
     def process_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         with self.cache.free_group():
@@ -64,7 +63,6 @@ class OutputProcessor:
                 self._append(req, result, i)
                 if not req.finished():  # a finished one's last output was queued by retire
                     self.pending.append(req)
-        self.flush()
 
     # ---- per request ----------------------------------------------------------------------------
     def _append(self, req: Req, result: GenerationBatchResult, i: int) -> None:
@@ -110,7 +108,8 @@ class OutputProcessor:
         self.pending.append(req)
 
     def flush(self) -> None:
-        """One output per queued request, in one emit: a request queued twice (its progress,
+        """One output per queued request, in one emit (the scheduler flushes once a step, after
+        the role part has seen the results): a request queued twice (its progress,
         then its end in the same step) still gets one output."""
         if not self.pending:
             return
