@@ -37,7 +37,8 @@ from tandem.engine.kernels.cpu_plan import LEVELS, is_x86, read_cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp")
+SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp",
+           "expert_gemm_cpu.cpp")
 _HEADERS = tuple(sorted(p.name for p in CSRC.glob("*.h")))  # all of them feed the build key
 _LEVEL_FLAGS = {
     "generic": ["-march=x86-64", "-mtune=generic"],

@@ -4,6 +4,7 @@
     csrc/extend_attention_cpu.cpp paged extend attention    \
     csrc/layer_ops_cpu.cpp        norm, SiLU*mul, RoPE, KV   --(cpu_build.py, one .so per level)-->
     csrc/sampling_cpu.cpp         seeded sampling, argmax   /      torch.ops.tandem_cpu_<level>.*
+    csrc/expert_gemm_cpu.cpp      MoE experts at decode    /
     csrc/vec16.h                  their 16-lane vector layer (AVX-512, AVX2 or plain lanes)
 
 Which build runs, and which ops use it, is cpu_plan.current()'s decision for this CPU.
@@ -211,6 +212,14 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, 
     """k_buffer[loc] = k and v_buffer[loc] = v in one call: (slots, kv_heads, dim) buffers,
     (tokens, kv_heads, dim) k/v of their dtype (token rows may be strided), int64 loc."""
     _ops().store_kv(k_buffer, v_buffer, loc, k, v)
+
+
+def expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(S, N): row r times its expert's weight w[e] (E, N, K) as stored, for x (S, K) sorted by
+    expert with cumulative int32 counts `offsets` (E,); rows past offsets[-1] unwritten."""
+    out = torch.empty((x.shape[0], w.shape[1]), dtype=x.dtype)
+    _ops().expert_gemm(out, x, w, offsets)
+    return out
 
 
 _EMPTY = torch.empty(0)

@@ -33,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
-OPS = ("decode_attention", "extend_attention", "layer_ops", "store_kv", "sampling")
+OPS = ("decode_attention", "extend_attention", "layer_ops", "store_kv", "sampling", "experts")
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})  # x86-64-v3 (abm = LZCNT)
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4

@@ -3,13 +3,14 @@ each expert is a SwiGLU MLP, and a token's output is its experts' outputs weight
 
     x (T, H) --router, fp32--> softmax over E experts --top-k--> (T, k) experts and weights
                                                                   [renormalised to sum 1]
-    (token, expert) pairs sorted by expert; for each expert that has tokens, one gate_up and
-    one down matmul over exactly its tokens (a grouped GEMM: the loop runs over experts, never
-    over tokens); each result, times its weight, is added into its token's row.
+    (token, expert) pairs sorted by expert; the experts' SwiGLU MLPs over exactly their pairs
+    as a grouped GEMM (models/expert_mlp.py: torch's grouped matmul, a per-expert oneDNN loop,
+    or a Triton kernel on CUDA; never a loop over tokens); each pair's output times its weight,
+    a token's k pairs summed.
 
 The router runs in fp32 whatever the model's dtype, so that top-k picks what HF's fp32
-softmax picks. Experts are added in ascending order, as HF's loop adds them, so a token's
-sum is rounded the same way.
+softmax picks. The combine is HF's (weight in the model's dtype, the k pairs summed at once),
+so a bf16 sum rounds where HF's does.
 
 Tensor parallelism: every rank holds every expert's slice of the intermediate features
 (gate/up rows and down columns [r*I/T, (r+1)*I/T)) and the whole router; each rank's sum is
@@ -24,16 +25,14 @@ or transformers v5's stacked `experts.gate_up_proj` / `experts.down_proj` (one t
 
 from __future__ import annotations
 
-import functools
-import itertools
 import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.models import expert_mlp
 from tandem.engine.models.layer_ops import TORCH, LayerOps
-from tandem.engine.models.layers import bucketed
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
 # checkpoint name -> (this module's parameter, which part of it: 0 gate rows, 1 up rows, 2 down)
@@ -86,6 +85,7 @@ class SparseMoE(nn.Module):
         self.router = nn.Parameter(torch.empty(num_experts, hidden))
         self.gate_up = nn.Parameter(torch.empty(held, 2 * intermediate, hidden))  # [gate; up] rows
         self.down = nn.Parameter(torch.empty(held, hidden, intermediate))
+        self._local: dict[torch.device, torch.Tensor] = {}  # not a buffer: the loader's to_empty() wipes those
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, both (T, k); the weights in fp32."""
@@ -99,27 +99,28 @@ class SparseMoE(nn.Module):
         """`num_tokens`: the rows that are tokens; those past it (the CPU's row-bucket padding,
         llama.py) are routed nowhere and come out zero. Routed, a zero row picks experts like
         any other: at one token padded to 16 rows that was 16 times the experts' work."""
-        out = torch.zeros_like(x)
-        x = x if num_tokens is None else x[:num_tokens]
-        weights, experts = self.route(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the step's one host sync
-        starts = [0, *itertools.accumulate(counts)]
-        pair_weights = weights.flatten().to(x.dtype)
-        # oneDNN (CPU bf16) builds a kernel per row count: pad each group to its row bucket.
-        pad = x.device.type == "cpu" and x.dtype != torch.float32
-        for i, expert in enumerate(self.experts):  # ascending: HF's order of adds
-            n = counts[expert]
-            if n == 0:
-                continue
-            pairs = order[starts[expert] : starts[expert] + n]
-            tokens = pairs // self.top_k
-            mlp = functools.partial(self._expert, i)
-            y = bucketed(mlp, x[tokens]) if pad else mlp(x[tokens])
-            out.index_add_(0, tokens, y * pair_weights[pairs, None])
+        n = x.shape[0] if num_tokens is None else num_tokens
+        tokens = x[:n]
+        weights, experts = self.route(tokens)
+        local = self._local_slots(x.device)[experts].flatten()  # other ranks' experts: len(self.experts), sorted last
+        order = torch.argsort(local, stable=True)
+        held = len(self.experts)
+        offsets = torch.cumsum(torch.bincount(local, minlength=held + 1)[:held], 0, dtype=torch.int32)
+        how = expert_mlp.choose(x.device, x.dtype, len(order), held, x.shape[1], self.down.shape[2])
+        ys = expert_mlp.run(how, tokens, self.top_k, order, offsets, self.gate_up, self.down, self.ops.silu_and_mul)
+        # HF's combine: each pair's output times its weight in the model's dtype, then a token's k
+        # pairs summed at once (accumulated in fp32), so bf16 rounds where HF's rounds
+        ys = ys * weights.flatten().to(x.dtype)[:, None]
+        out = ys.view(n, self.top_k, -1).sum(dim=1)
+        if n != x.shape[0]:
+            out = F.pad(out, (0, 0, 0, x.shape[0] - n))
         return self.tp.all_reduce(out)
 
-    def _expert(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """The SwiGLU MLP of held expert i over rows h."""
-        return F.linear(self.ops.silu_and_mul(F.linear(h, self.gate_up[i])), self.down[i])
+    def _local_slots(self, device: torch.device) -> torch.Tensor:
+        """expert -> its slot among the held ones; other ranks' experts -> len(held), past them all."""
+        if device not in self._local:
+            held = len(self.experts)
+            slots = torch.full((self.num_experts,), held, dtype=torch.long)
+            slots[list(self.experts)] = torch.arange(held)
+            self._local[device] = slots.to(device)
+        return self._local[device]
