@@ -47,9 +47,10 @@ REQUIRES = {
 # Ops whose kernel form measured slower than torch's path at that level
 # (bench/cpu_forms.py, docs/benchmarks.md "CPU kernel forms"): torch runs them there.
 # The plain-lane form is a portability floor, 0.03-0.6x torch's own vectorised attention
-# and elementwise ops; its sampling still wins (~3x: no sort, no ten vocab-sized tensors).
+# and elementwise ops, 0.03-0.25x torch's grouped matmul for MoE experts (bench/moe_block_cpu.py
+# under TANDEM_CPU_ISA=generic); its sampling still wins (~3x: no sort, no ten vocab-sized tensors).
 _TORCH_FASTER: dict[str, frozenset[str]] = {
-    "generic": frozenset({"decode_attention", "extend_attention", "layer_ops"}),
+    "generic": frozenset({"decode_attention", "extend_attention", "layer_ops", "experts"}),
     "avx2": frozenset(),
     "avx512": frozenset(),
     "avx512_bf16": frozenset(),
