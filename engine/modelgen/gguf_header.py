@@ -36,6 +36,10 @@ MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
 MAX_BLOCKS = 1024  # layers; also at most the tensor count (every layer has tensors)
 MAX_MODEL_DIM = 1 << 20  # hidden, FFN, heads, head size
+MAX_EXPERTS = 1024  # a mixture-of-experts layer's experts (DeepSeek-V3 has 256)
+# GGUF's architecture name -> the HF class it converts to; llama.cpp names Qwen3-MoE "qwen3moe".
+GGUF_ARCHITECTURES = {**ARCHITECTURES, "qwen3moe": "Qwen3MoeForCausalLM"}
+MOE_GGUF_ARCHITECTURES = frozenset({"qwen3moe"})
 MAX_CONTEXT = 1 << 26
 DEFAULT_ALIGNMENT = 32
 
@@ -232,18 +236,31 @@ def check_model(header: Header, name: str) -> None:
     and dimensions that are positive integers within bounds (the layer count also at most the
     tensor count: the conversion builds one module per layer before it reads any tensor)."""
     arch = header.metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFError(f"{name}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if arch not in GGUF_ARCHITECTURES:
+        raise GGUFError(f"{name}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    experts = header.metadata.get(f"{arch}.expert_count")
+    if arch not in MOE_GGUF_ARCHITECTURES and experts:
+        # llama.cpp writes Mixtral as "llama" with experts; transformers reads no such file
+        raise GGUFError(f"{name}: a {arch} file with {experts!r} experts (Mixtral's GGUF form) is not supported; "
+                        "serve its HF directory instead")
     bounds = {"block_count": min(MAX_BLOCKS, len(header.tensors)), "embedding_length": MAX_MODEL_DIM,
               "feed_forward_length": MAX_MODEL_DIM, "attention.head_count": MAX_MODEL_DIM,
               "attention.head_count_kv": MAX_MODEL_DIM, "attention.key_length": MAX_MODEL_DIM,
               "attention.value_length": MAX_MODEL_DIM, "context_length": MAX_CONTEXT, "vocab_size": MAX_ARRAY_ITEMS}
-    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+    required: tuple[str, ...] = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+    if arch in MOE_GGUF_ARCHITECTURES:
+        bounds |= {"expert_count": MAX_EXPERTS, "expert_used_count": MAX_EXPERTS,
+                   "expert_feed_forward_length": MAX_MODEL_DIM}
+        required += ("expert_count", "expert_used_count", "expert_feed_forward_length")
     for key, limit in bounds.items():
         value = header.metadata.get(f"{arch}.{key}")
         if value is None and key not in required:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
             raise GGUFError(f"{name}: {arch}.{key} is {value!r}; it must be an integer from 1 to {limit}")
+    used = header.metadata.get(f"{arch}.expert_used_count")
+    if used is not None and used > header.metadata[f"{arch}.expert_count"]:
+        raise GGUFError(f"{name}: {arch}.expert_used_count {used} exceeds the {experts} experts")
     if "tokenizer.ggml.tokens" not in header.array_lengths:
         raise GGUFError(f"{name}: has no tokenizer (tokenizer.ggml.tokens)")

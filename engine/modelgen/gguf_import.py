@@ -40,7 +40,6 @@ from typing import Any
 
 from tandem.engine.modelgen import gguf_header
 from tandem.engine.modelgen.gguf_header import GGUFError
-from tandem.engine.modelgen.model_spec import ARCHITECTURES
 from tandem.engine.modelgen.safetensors_stream import write_float32
 
 log = logging.getLogger(__name__)
@@ -206,7 +205,12 @@ def _convert(gguf: Path, digest: str, out: Path) -> None:
     log.info("importing %s (%s) into %s: %s", gguf.name, arch, out.parent, _describe(types, quantized))
     src, name = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(src, gguf_file=name)
-    config.architectures = [ARCHITECTURES[arch]]
+    config.architectures = [gguf_header.GGUF_ARCHITECTURES[arch]]
+    if arch in gguf_header.MOE_GGUF_ARCHITECTURES:
+        # transformers maps the expert count and top-k but not each expert's width; llama.cpp's
+        # qwen3moe makes every layer sparse (it has no decoder_sparse_step or mlp_only_layers)
+        config.moe_intermediate_size = int(meta[f"{arch}.expert_feed_forward_length"])
+        config.decoder_sparse_step, config.mlp_only_layers = 1, []
     # transformers reads no head_dim for qwen2/qwen3 files, and Qwen3Config's default (128) is
     # wrong for any other shape; llama.cpp's reading is attention.key_length, else hidden / heads.
     key_length = meta.get(f"{arch}.attention.key_length")
@@ -230,7 +234,7 @@ def _convert(gguf: Path, digest: str, out: Path) -> None:
 
 
 def _tensor_plan(gguf: Path, header: gguf_header.Header, skeleton: Any,
-                 expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], Any]:
+                 expected: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[str, ...]], Any]:
     """{HF name: GGUF name} of the tensors to write, every shape checked against the model the
     metadata describes before any is dequantized, and the function that converts one."""
     import gguf as gguf_lib
@@ -244,24 +248,43 @@ def _tensor_plan(gguf: Path, header: gguf_header.Header, skeleton: Any,
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=parsed)
     to_hf = get_gguf_hf_weights_map(skeleton, processor)
-    plan = {to_hf[t.name]: t.name for t in header.tensors if to_hf.get(t.name) in expected}
+    # An MoE layer's gate and up experts are two GGUF tensors (E, I, H) that make one HF tensor
+    # (E, 2I, H), gate rows first: a plan entry is every GGUF tensor of its HF tensor, in order.
+    parts: dict[str, list[str]] = {}
+    for t in sorted(header.tensors, key=lambda t: "ffn_up_exps" in t.name):
+        if to_hf.get(t.name) in expected:
+            parts.setdefault(to_hf[t.name], []).append(t.name)
+    plan = {hf: tuple(names) for hf, names in parts.items()}
     missing = sorted(set(expected) - set(plan))
     if missing:
         raise GGUFError(f"{gguf.name} lacks tensors the model needs: {missing[:4]}")
     shapes = {t.name: t.shape for t in header.tensors}
-    misshapen = [f"{g} {shapes[g]} != {expected[hf]}" for hf, g in plan.items() if shapes[g] != expected[hf]]
+    misshapen = [f"{' + '.join(g)} {_joined([shapes[n] for n in g])} != {expected[hf]}" for hf, g in plan.items()
+                 if _joined([shapes[n] for n in g]) != expected[hf]]
     if misshapen:
         raise GGUFError(f"{gguf.name}: tensor shapes disagree with its metadata: {misshapen[:3]}")
     reader = gguf_lib.GGUFReader(str(gguf))
     by_name = {t.name: t for t in reader.tensors}
 
-    def convert(gguf_name: str, hf_name: str) -> Any:
-        t = by_name[gguf_name]
-        weights = gguf_lib.quants.dequantize(t.data, t.tensor_type)
-        return processor.process(weights=weights, name=gguf_name, tensor_key_mapping=to_hf,
+    def convert(gguf_names: tuple[str, ...], hf_name: str) -> Any:
+        import numpy as np
+
+        weights = [gguf_lib.quants.dequantize(by_name[n].data, by_name[n].tensor_type) for n in gguf_names]
+        if "_exps" in gguf_names[0]:  # stacked experts: stored as HF holds them, bar the gate/up join
+            return np.concatenate(weights, axis=1) if len(weights) > 1 else weights[0]
+        return processor.process(weights=weights[0], name=gguf_names[0], tensor_key_mapping=to_hf,
                                  parsed_parameters={"config": parsed}).weights
 
     return plan, convert
+
+
+def _joined(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of tensors joined along dim 1 (one tensor: its own shape)."""
+    if len(shapes) == 1:
+        return tuple(shapes[0])
+    if any(len(s) != 3 or s[0] != shapes[0][0] or s[2] != shapes[0][2] for s in shapes):
+        return (-1,)  # cannot be joined: reported as a shape mismatch
+    return (shapes[0][0], sum(s[1] for s in shapes), shapes[0][2])
 
 
 def _describe(types: Counter[str], quantized: dict[str, int]) -> str:

@@ -48,7 +48,7 @@ def export_gguf(model_dir: Path, out: Path, *, quantize: bool = False) -> Path:
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-    arch, layers = cfg["model_type"], cfg["num_hidden_layers"]
+    arch, layers = cfg["model_type"].replace("_", ""), cfg["num_hidden_layers"]  # llama.cpp's "qwen3moe"
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
@@ -66,6 +66,10 @@ def export_gguf(model_dir: Path, out: Path, *, quantize: bool = False) -> Path:
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(cfg["head_dim"])
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     ids = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(ids, key=ids.__getitem__)
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -80,7 +84,7 @@ def export_gguf(model_dir: Path, out: Path, *, quantize: bool = False) -> Path:
     w.add_add_bos_token(arch == "llama")  # Llama-3 prepends BOS; Qwen never does
     w.add_chat_template(tok_cfg["chat_template"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
-    for name, t in load_numpy(str(model_dir / "model.safetensors")).items():
+    for name, t in _stack_experts(load_numpy(str(model_dir / "model.safetensors"))).items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, heads if "q_proj" in name else kv_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -90,6 +94,24 @@ def export_gguf(model_dir: Path, out: Path, *, quantize: bool = False) -> Path:
             w.add_tensor(gguf_name, t)
     _finish(w)
     return out
+
+
+def _stack_experts(tensors: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's expert layout: a layer's experts' gate (or up, or down) matrices as one
+    (experts, rows, cols) tensor, `mlp.experts.gate_proj` (ffn_gate_exps)."""
+    import re
+
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, Any]] = {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+    return out | {name: np.stack([by_e[e] for e in sorted(by_e)]) for name, by_e in stacks.items()}
 
 
 def _finish(w: Any) -> None:
@@ -157,6 +179,75 @@ def test_engine_greedy_output_matches_the_preset(imported: dict[str, Path], engi
     assert answers[0]["token_ids"] == answers[1]["token_ids"] and answers[0]["text"] == answers[1]["text"]
 
 
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(a Qwen3-MoE directory, its GGUF import). llama.cpp's qwen3moe has every layer sparse, so
+    the model is tiny-qwen3-moe without its dense layer."""
+    import dataclasses
+
+    from tandem.engine.modelgen.model_builder import build_model
+    from tandem.engine.modelgen.model_spec import PRESETS as SPECS
+
+    spec = SPECS["tiny-qwen3-moe"]
+    spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, mlp_only_layers=()))
+    tmp = tmp_path_factory.mktemp("moe")
+    src = build_model(spec, tmp / "qwen3-moe")
+    return src, import_gguf(export_gguf(src, tmp / "qwen3-moe.gguf"), home=tmp / "home")
+
+
+def test_a_qwen3_moe_file_imports_its_experts_stacked(moe_pair: tuple[Path, Path]) -> None:
+    """llama.cpp's stacked gate, up and down experts become transformers' gate_up_proj and
+    down_proj, gate rows first; everything else as for the dense models."""
+    src, got = moe_pair
+    ours, theirs = load_file(str(got / "model.safetensors")), load_file(str(src / "model.safetensors"))
+    cfg, want_cfg = (json.loads((d / "config.json").read_text()) for d in (got, src))
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step"):
+        assert cfg[key] == want_cfg[key], key
+    assert cfg.get("num_experts", cfg.get("num_local_experts")) == want_cfg["num_local_experts"]
+    experts = want_cfg["num_local_experts"]
+    for layer in range(want_cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp.experts"
+        stacked = {part: torch.stack([theirs[f"{p}.{e}.{part}.weight"] for e in range(experts)])
+                   for part in ("gate_proj", "up_proj", "down_proj")}
+        assert torch.equal(ours[f"{p}.gate_up_proj"], torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1))
+        assert torch.equal(ours[f"{p}.down_proj"], stacked["down_proj"])
+    rest = [k for k in theirs if ".mlp.experts." not in k]
+    assert [k for k in rest if not torch.equal(ours[k], theirs[k])] == []
+    assert set(ours) - set(rest) == {f"model.layers.{i}.mlp.experts.{n}" for i in range(want_cfg["num_hidden_layers"])
+                                     for n in ("gate_up_proj", "down_proj")}
+
+
+def test_an_imported_moe_model_serves_its_sources_answer(moe_pair: tuple[Path, Path], engine) -> None:
+    answers = [engine(str(model), max_total_tokens=2048, dtype="float32").generate(
+        "The capital of France is", {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})[0]
+        for model in moe_pair]
+    assert answers[0]["token_ids"] == answers[1]["token_ids"]
+
+
+def test_moe_files_we_cannot_read_are_refused(exported: dict[str, Path], tmp_path: Path) -> None:
+    """Mixtral's GGUF form (a llama file with experts) and an expert count the metadata
+    contradicts are refused before anything converts."""
+    reader = gguf.GGUFReader(str(exported["llama"]))
+    for arch, extra, match in (
+        ("llama", {"expert_count": 4, "expert_used_count": 2}, r"llama file with 4 experts \(Mixtral"),
+        ("qwen3moe", {"expert_count": 4, "expert_used_count": 6, "expert_feed_forward_length": 64},
+         "expert_used_count 6 exceeds the 4 experts"),
+        ("qwen3moe", {"expert_count": 4, "expert_used_count": 2}, r"qwen3moe.expert_feed_forward_length is None"),
+    ):
+        w = gguf.GGUFWriter(str(path := tmp_path / f"{arch}-{len(extra)}.gguf"), arch)
+        w.add_uint32(f"{arch}.block_count", 1)  # at most the tensor count
+        for key in ("embedding_length", "feed_forward_length", "attention.head_count"):
+            w.add_uint32(f"{arch}.{key}", int(reader.fields[f"llama.{key}"].parts[-1][0]))
+        for key, value in extra.items():
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_token_list(["a", "b"])
+        w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+        _finish(w)
+        with pytest.raises(GGUFError, match=match):
+            import_gguf(path, home=tmp_path / "home")
+
+
 def test_quantized_tensors_are_dequantized(model_path: Callable[[str], Path], tmp_path: Path) -> None:
     """Q8_0 matrices come out as exactly gguf's own dequantization of them, F32 ones untouched."""
     src = model_path("tiny-qwen2")
@@ -221,7 +312,8 @@ def test_unreadable_files_are_rejected(exported: dict[str, Path], tmp_path: Path
     w = gguf.GGUFWriter(str(gpt2 := tmp_path / "gpt2.gguf"), "gpt2")  # well-formed, an architecture we lack
     w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     _finish(w)
-    with pytest.raises(GGUFError, match=r"architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(GGUFError,
+                       match=r"architecture 'gpt2' is not supported \(supported: llama, qwen2, qwen3, qwen3moe\)"):
         import_gguf(gpt2, home=home)
     assert [p for p in (home / "models").iterdir() if not p.name.endswith(".lock")] == []
 
