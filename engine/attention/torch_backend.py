@@ -131,29 +131,32 @@ class TorchAttentionBackend(AttentionBackend):
                 *meta.extend_kernel_args, self.ctx.scaling, self.use_amx,
             ).to(q.dtype)
         else:
-            out = self._extend_sdpa(q, k, v, kbuf, vbuf, meta)
+            out = self._extend_sdpa(q, k, v, kbuf, vbuf, meta, layer)
         if meta.num_decode:
             s = meta.decode_start
             out[s:] = self._decode(q[s:], layer, meta)
         return out.flatten(1)
 
     def _extend_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kbuf: torch.Tensor,
-                     vbuf: torch.Tensor, meta: _Metadata) -> torch.Tensor:
+                     vbuf: torch.Tensor, meta: _Metadata, layer: int) -> torch.Tensor:
         out = torch.empty_like(q)
+        ks, vs = self._scales(layer)
         for it in meta.extends:
             # 4-D inputs: with a leading batch dim torch takes its flash CPU kernel,
             # with 3-D it falls back to the math path (measured ~7x slower in bf16).
             qi = q[it.start : it.end].transpose(0, 1)[None]  # (1, heads, n, dim)
-            if it.kv_index is None:
-                ki, vi = k[it.start : it.end], v[it.start : it.end]
-            else:
+            pooled = it.kv_index is not None  # else this step's own k/v, never quantized
+            if pooled:
                 ki, vi = kbuf[it.kv_index], vbuf[it.kv_index]  # (seq, kv_heads, dim)
+            else:
+                ki, vi = k[it.start : it.end], v[it.start : it.end]
             o = F.scaled_dot_product_attention(
                 qi, ki.transpose(0, 1)[None].to(q.dtype), vi.transpose(0, 1)[None].to(q.dtype),
                 attn_mask=it.mask, is_causal=it.mask is None,
-                scale=self.ctx.scaling, enable_gqa=True,
+                scale=self.ctx.scaling * (ks if pooled else 1.0), enable_gqa=True,
             )
-            out[it.start : it.end] = o[0].transpose(0, 1)
+            o = o[0].transpose(0, 1)
+            out[it.start : it.end] = o * vs if pooled and vs != 1.0 else o
         return out
 
     def forward_decode(
@@ -178,8 +181,15 @@ class TorchAttentionBackend(AttentionBackend):
         # The query heads sharing a KV head become that head's "query rows": one
         # GQA decode step is an MQA-free (batch, kv_heads, group, dim) attention.
         qg = q.view(b, hkv, -1, d)
-        o = F.scaled_dot_product_attention(qg, ki, vi, attn_mask=meta.decode_mask, scale=self.ctx.scaling)
-        return o.reshape(b, -1, d)  # (batch, heads, dim)
+        ks, vs = self._scales(layer)
+        o = F.scaled_dot_product_attention(qg, ki, vi, attn_mask=meta.decode_mask, scale=self.ctx.scaling * ks)
+        return (o if vs == 1.0 else o * vs).reshape(b, -1, d)  # (batch, heads, dim)
+
+    def _scales(self, layer: int) -> tuple[float, float]:
+        """An fp8 pool's K and V scales (kvcache/kv_scales.py): K's folds into the softmax scale,
+        V's into the output, so the gathered KV is only upcast, never rescaled."""
+        s = self.ctx.kv_pool.scales
+        return s.k[layer], s.v[layer]
 
     def _decode_kernel(self, q: torch.Tensor, layer: int, meta: _Metadata) -> torch.Tensor:
         pool = self.ctx.kv_pool

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.kvcache.kv_scales import KVScales
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 from tandem.engine.model_config import ModelConfig, RunnerConfig
@@ -91,7 +92,7 @@ def kv_storage_dtype(config: RunnerConfig, dtype: torch.dtype) -> torch.dtype:
 
 def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torch.dtype, device: torch.device,
                     weight_bytes: int, max_context_len: int, graph_bytes: int = 0,
-                    agree: Callable[[int], int] = lambda tokens: tokens) -> KVMemory:
+                    agree: Callable[[int], int] = lambda tokens: tokens, scales: KVScales | None = None) -> KVMemory:
     """The pool gets config.max_total_tokens, or what kv_budget_bytes leaves (capped on CPU);
     `graph_bytes` is what the runner's CUDA graphs will hold, 0 without them. `agree` turns this
     process's token count into the one every tensor-parallel rank uses (their minimum)."""
@@ -111,6 +112,7 @@ def build_kv_memory(model_config: ModelConfig, config: RunnerConfig, dtype: torc
     shard = mc.shard  # a tensor-parallel rank's pool holds its range of the KV heads
     kv_pool = TokenToKVPool(num_pages, P, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, device,
                             heads=None if shard is None else shard.kv_heads,
-                            total_kv_heads=0 if shard is None else shard.total_kv_heads)
+                            total_kv_heads=0 if shard is None else shard.total_kv_heads,
+                            scales=scales if kv_dtype.itemsize == 1 else None)
     req_table = ReqToTokenPool(req_table_rows(config), max_context_len, device)
     return KVMemory(kv_pool, req_table)

@@ -19,6 +19,7 @@ import torch
 from tandem.engine.kernels import cpu_kernels
 from tandem.engine.kvcache import kv_store_triton
 from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.kv_scales import KVScales
 from tandem.protocol.kv_layout import KVLayout
 
 
@@ -65,9 +66,11 @@ class TokenToKVPool:
         device: torch.device | str,
         heads: tuple[int, int] | None = None,
         total_kv_heads: int = 0,
+        scales: KVScales | None = None,
     ) -> None:
         """`heads`/`total_kv_heads`: under tensor parallelism, which of the model's KV heads
-        this rank's pool holds (its layout says so to a PD peer); None: all of them."""
+        this rank's pool holds (its layout says so to a PD peer); None: all of them.
+        `scales`: an fp8 pool's per-layer K and V scales (kv_scales.py); None: all 1.0."""
         if num_pages < 2:
             raise ValueError("KV pool needs at least 2 pages (page 0 is reserved)")
         self.page_size = page_size
@@ -75,6 +78,9 @@ class TokenToKVPool:
         self.head_start, self.total_kv_heads = (heads[0], total_kv_heads) if heads is not None else (0, 0)
         self.num_slots = num_pages * page_size
         self.dtype = dtype
+        self.scales = scales or KVScales.ones(num_layers)
+        if not self.scales.unit and torch.tensor([], dtype=dtype).element_size() != 1:
+            raise ValueError("KV scales are for an fp8 pool; this one stores " + str(dtype))
         # empty, not zeros: pages are written before they are read, and an untouched
         # CPU page costs no RAM. Page 0 (the pad target) must hold finite values.
         self.kv_buffer = torch.empty(
@@ -103,6 +109,8 @@ class TokenToKVPool:
             self._store(self.kv_buffer[layer, 0], self.kv_buffer[layer, 1], loc.contiguous(), k, v)
             return
         if self.kv_buffer.element_size() == 1:  # fp8: torch's CPU index_copy_ takes its bytes only
+            ks, vs = self.scales.k[layer], self.scales.v[layer]
+            k, v = (k if ks == 1.0 else k.float() / ks), (v if vs == 1.0 else v.float() / vs)
             self.kv_buffer[layer, 0].view(torch.uint8).index_copy_(0, loc, k.to(self.dtype).view(torch.uint8))
             self.kv_buffer[layer, 1].view(torch.uint8).index_copy_(0, loc, v.to(self.dtype).view(torch.uint8))
             return

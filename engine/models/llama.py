@@ -29,6 +29,7 @@ from torch import nn
 
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.kvcache.kv_scales import KVScales
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
 from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, bucketed, row_bucket
@@ -122,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         rows = cfg.vocab_size if cfg.shard is None else cfg.shard.vocab_rows
         self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.kv_scales = KVScales.ones(cfg.num_layers)  # an fp8 KV cache's; the loader sets the checkpoint's
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         with torch.device("cpu"):  # real tables even when the model is built on meta
             self.rope = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions)

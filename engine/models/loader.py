@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tandem.engine.kvcache.kv_scales import KVScales, kv_scale_weight
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.moe import expert_weight, router_weight, stacked_experts
@@ -106,9 +107,14 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     local = {e: i for i, e in enumerate(cfg.local_experts)}  # expert parallelism: the experts held here
+    kv_scales: dict[tuple[int, str], float] = {}
     for key, tensor in _checkpoint_tensors(Path(cfg.path)):
         name = key.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        scale = kv_scale_weight(name)
+        if scale is not None:  # an fp8 KV cache's calibration: the pool takes it (kvcache/kv_scales.py)
+            kv_scales[scale] = _scalar(key, tensor)
             continue
         expert = expert_weight(name)
         if expert is not None:  # one expert's gate, up or down: a slice of the stacked parameter
@@ -142,7 +148,18 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     _check_complete(params, loaded)
     # to_empty() wiped the RoPE tables along with the parameters; rebuild them.
     model.rope.__init__(cfg.hf_config, cfg.head_dim, max_positions)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.kv_scales = KVScales.from_checkpoint(kv_scales, cfg.num_layers)
+    return model
+
+
+def _scalar(key: str, tensor: Any) -> float:
+    """A per-tensor scale: one number, stored as shape () or (1,)."""
+    shape = list(tensor.get_shape())
+    if shape not in ([], [1]):
+        raise ValueError(f"checkpoint tensor {key!r} has shape {shape}: a per-tensor KV scale is one number "
+                         "(per-head or per-channel KV scales are not supported)")
+    return float(tensor[...].float().reshape(()))
 
 
 class _ExpertSlice:

@@ -154,8 +154,11 @@ class ModelRunner:
         graphs = 0
         if self.plans_cuda_graphs():
             graphs = graph_memory(self.model_config, self.config, self.dtype, self.max_context_len).total
+        scales = self.model.kv_scales
+        if not scales.unit and self.config.kv_cache_dtype == "auto":
+            log.info("the checkpoint's fp8 KV scales are unused: the KV cache stores %s", self.dtype)
         return build_kv_memory(self.model_config, self.config, self.dtype, self.device, self.weight_bytes(),
-                               self.max_context_len, graphs, agree=self.tp.min_int)
+                               self.max_context_len, graphs, agree=self.tp.min_int, scales=scales)
 
     def attach(self, memory: KVMemory) -> None:
         """Use `memory` for every forward; builds the attention backend (and CUDA graphs) over it."""

@@ -23,6 +23,7 @@ def model_id(model_path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def identity_of(layout: KVLayout, deterministic: bool, model_path: str) -> Identity:
+def identity_of(layout: KVLayout, deterministic: bool, model_path: str, kv_scales: str = "unit") -> Identity:
+    """`kv_scales`: the pool's KVScales.digest()."""
     return Identity(PD_VERSION, model_id(model_path), layout.dtype, layout.page_size, layout.num_layers,
-                    layout.total_heads, layout.head_dim, bool(deterministic))
+                    layout.total_heads, layout.head_dim, bool(deterministic), kv_scales)

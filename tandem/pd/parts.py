@@ -165,5 +165,5 @@ def transfer_parts(host: Host, model_path: str, role: str) -> TransferParts:
     half = {"layout": layout.to_dict(), "agent": base64.b64encode(meta).decode(),
             "meta": dataclasses.asdict(slots.region())}
     halves = [json.loads(h) for h in tp.all_gather_bytes(json.dumps(half).encode())]
-    identity = identity_of(layout, cfg.deterministic, model_path)
+    identity = identity_of(layout, cfg.deterministic, model_path, host.kv_pool.scales.digest())
     return TransferParts(transfer, channel, identity, layout, slots, role, tp, halves)

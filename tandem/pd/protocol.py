@@ -35,7 +35,8 @@ from tandem.pd.schema import Spec, boolean, int_list, list_of, one_of, record, t
 # 4: Hello and Welcome carry every TP rank's half (`ranks`): each rank is its own NIXL agent
 # 5: KVDest carries the staging pages decode reserved for head slices it scatters (`staging`)
 # 6: the identity says whether the worker runs deterministic mode (`deterministic`)
-PD_VERSION = 6
+# 7: the identity carries the fp8 KV cache's scales (`kv_scales`: "unit" or their digest)
+PD_VERSION = 7
 MAX_MESSAGE_BYTES = 1 << 20  # also the ZMQ sockets' MAXMSGSIZE: a bigger frame drops its sender
 
 
@@ -53,6 +54,9 @@ class Identity:
     # Deterministic mode on both roles, or on neither: under a default-mode decode a deterministic
     # prefill's request would lose its guarantee after the first token, silently.
     deterministic: bool = False
+    # An fp8 pool's per-layer K/V scales (engine/kvcache/kv_scales.py): "unit" (all 1.0) or a digest.
+    # Pages stored under one scale and read under another are wrong by their ratio, silently.
+    kv_scales: str = "unit"
 
     def mismatch(self, other: Identity) -> list[str]:
         return [f"{k}: {a!r} != {b!r}" for k, a, b in
@@ -153,7 +157,7 @@ _count, _positive = uint(COUNT_LIMIT), uint(COUNT_LIMIT, lo=1)
 _heads, _some_heads = uint(MAX_KV_HEADS), uint(MAX_KV_HEADS, lo=1)
 _IDENTITY = record({"version": _count, "model_id": text(MAX_NAME), "dtype": text(32), "page_size": _positive,
                     "num_layers": _positive, "num_kv_heads": _some_heads, "head_dim": _positive,
-                    "deterministic": boolean}, may_be_empty=True)
+                    "deterministic": boolean, "kv_scales": text(32)}, may_be_empty=True)
 
 
 def _heads_fit(layout: dict[str, Any]) -> bool:

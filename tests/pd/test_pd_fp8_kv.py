@@ -1,10 +1,12 @@
 """PD with an FP8 KV cache: prefill writes its fp8 pages straight into decode's fp8 pool, so the
 answer is the colocated fp8 Engine's, token for token. A decode whose pool stores another dtype
-is refused at the handshake, naming it, never fed bytes it would misread. Pools whole after."""
+is refused at the handshake, naming it, never fed bytes it would misread; so is one whose pool
+stores fp8 under other scales. Pools whole after."""
 
 from __future__ import annotations
 
 import pytest
+from model_variants import with_kv_scales
 from pd_client import pd_generate, pd_post
 from waits import wait_until
 from worker_process import Worker, running
@@ -19,7 +21,7 @@ FP8 = ("--kv-cache-dtype", "fp8_e4m3")
 PROMPTS = ["the quick brown fox jumps " * 30, "sixteen tokens of text " * 4]
 
 
-def test_fp8_pages_cross_and_a_bf16_pool_is_refused(model_path) -> None:
+def test_fp8_pages_cross_and_a_bf16_pool_is_refused(model_path, tmp_path) -> None:
     model = model_path("tiny")
     with Engine(str(model), dtype="float32", kv_cache_dtype="fp8_e4m3", page_size=16, chunked_prefill_size=64,
                 max_total_tokens=4096) as eng:
@@ -39,5 +41,11 @@ def test_fp8_pages_cross_and_a_bf16_pool_is_refused(model_path) -> None:
             assert plain.pool()["whole"], plain.output()
         finally:
             plain.stop()
+        scaled = Worker.decode(with_kv_scales(model, tmp_path / "scaled", k=2.0, v=0.5), *FLAGS, *FP8, peers=[pre])
+        try:
+            wait_until(lambda: "handshake refused: mismatch in model_id, kv_scales" in scaled.output(), 120,
+                       "the other-scales decode's refused handshake", interval=0.2)
+        finally:
+            scaled.stop()
         for w in (pre, dec):
             assert w.pool()["whole"], w.output()
