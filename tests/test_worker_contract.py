@@ -101,7 +101,7 @@ def test_operator_pods_speak_the_contract(path: Path) -> None:
         doc = contract.EngineYaml.parse(text)
         assert doc.kv_transfer == kv
         engine_args = {k: v for k, v in doc.engine_args.items()}
-        config = EngineConfig.from_kwargs(**engine_args)
+        config = EngineConfig.from_kwargs(**{"tp_size": doc.tp_size, **engine_args})  # ep_size is checked against it
         assert config.page_size == engine_args.get("page_size", EngineConfig().page_size)
         # The contract's tp_size becomes the engine's (engine/parallel/, docs/tp.md).
         assert EngineConfig.from_engine_yaml(text)[0] == dataclasses.replace(config, tp_size=doc.tp_size)

@@ -259,6 +259,19 @@ def parse_engine_args(raw: dict[str, Any], errors: list[str]) -> dict[str, Any]:
     return {**args, **extra}
 
 
+def kv_dtype_problems(engine_args: dict[str, Any], roles: dict[str, RoleSpec]) -> list[str]:
+    """An fp8 KV cache runs on CPU workers in this release: the engine refuses it on a GPU at
+    start-up (FlashInfer's fp8-KV kernels are not wired in), so a CR asking for it on GPU
+    workers gets this condition instead of pods that crash-loop."""
+    dtype = engine_args.get("kv_cache_dtype", "auto")
+    if dtype == "auto":
+        return []
+    on_gpus = [r for r in names.WORKER_ROLES if (_gpu_limit(roles[r].resources) or 0) > 0
+               or _gpu_limit(roles[r].resources) is None]  # unset: the operator asks for TP GPUs
+    return [f"spec.engine.kvCacheDtype {dtype} runs on CPU workers in this release ({', '.join(on_gpus)} "
+            f"request GPUs; set their resources.limits.{GPU} to 0, or kvCacheDtype to auto)"] if on_gpus else []
+
+
 def parse_kv(raw: dict[str, Any], errors: list[str]) -> KvTransfer:
     ucx = raw.get("ucx") or {}
     kv = KvTransfer(

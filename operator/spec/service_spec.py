@@ -23,6 +23,7 @@ from tandem.operator.spec.sections import (
     Rollout,
     SloSpec,
     SpecError,
+    kv_dtype_problems,
     parse_autoscaling,
     parse_engine_args,
     parse_kv,
@@ -99,6 +100,7 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     autoscaling = parse_autoscaling(spec["autoscaling"], slo, roles[names.PREFILL], roles[names.DECODE],
                                     errors)
     engine_args = parse_engine_args(spec["engine"], errors)
+    errors += kv_dtype_problems(engine_args, roles)
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
     api_key = parse_secret_ref(spec.get("apiKeySecretRef"), "spec.apiKeySecretRef", errors)

@@ -146,3 +146,15 @@ def test_expert_parallelism_other_than_tp_is_refused(minimal_cr: dict[str, Any])
     cr["spec"]["prefill"]["expertParallelSize"] = 4
     with pytest.raises(SpecError, match="expertParallelSize 4 must be 1 or tensorParallelSize 2"):
         parse_service(cr)
+
+
+def test_an_fp8_kv_cache_on_gpu_workers_is_a_spec_error(minimal_cr: dict[str, Any]) -> None:
+    """The engine refuses fp8 KV on a GPU at start-up in this release; the CR says so instead of
+    crash-looping pods. With no GPU limit the operator would add TP GPUs, so that counts too."""
+    cr = tp_cr(minimal_cr, 1, 1)
+    cr["spec"].setdefault("engine", {})["kvCacheDtype"] = "fp8_e4m3"
+    with pytest.raises(SpecError, match=r"kvCacheDtype fp8_e4m3 runs on CPU workers .*\(prefill, decode request GPUs"):
+        parse_service(cr)
+    for role in (names.PREFILL, names.DECODE):
+        cr["spec"][role]["resources"] = {"limits": {GPU: 0}}
+    assert parse_service(cr).engine_args["kv_cache_dtype"] == "fp8_e4m3"
