@@ -17,6 +17,7 @@ from tandem.worker_contract import EngineYaml
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LOAD_BALANCE_METHODS = ("round_robin", "total_requests", "total_tokens", "follow_bootstrap_room")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")  # kvcache/host_tier.py
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class EngineConfig:
     disable_overlap_schedule: bool | None = None
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
+    # A host-memory tier under the radix cache (kvcache/host_tier.py; SGLang's HiCache flags): its
+    # size is hicache_size GiB when set, else hicache_ratio times the device pool; write_through
+    # copies a page to the host when the cache takes it, write_back when the device evicts it.
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     enable_priority_scheduling: bool = False
     priority_scheduling_preemption_threshold: int = 10
     dp_size: int = 1
@@ -142,6 +150,14 @@ class EngineConfig:
             raise ValueError("grammar_compile_workers must be >= 1 and grammar_compile_queue >= 0")
         if not self.grammar_matcher_budget > 0 or self.grammar_matcher_window < 1:
             raise ValueError("grammar_matcher_budget must be > 0 and grammar_matcher_window >= 1")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                             f"got {self.hicache_write_policy!r}")
+        if self.enable_hierarchical_cache:
+            if self.disable_radix_cache:
+                raise ValueError("enable_hierarchical_cache is a tier of the radix cache: drop disable_radix_cache")
+        if not (0 < self.hicache_ratio <= 1000 and 0 <= self.hicache_size <= 1 << 20):
+            raise ValueError("hicache_ratio must be in (0, 1000] and hicache_size in [0, 2^20] GiB")
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:
             raise ValueError("chunked_prefill_size must be at least one page")
 

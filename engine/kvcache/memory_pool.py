@@ -126,6 +126,10 @@ class TokenToKVPool:
                         base_ptr=self.kv_buffer.data_ptr(), head_start=self.head_start,
                         total_kv_heads=self.total_kv_heads, **memory_of(self.kv_buffer))
 
+    def bytes_per_token(self) -> int:
+        """A token's K and V in every layer."""
+        return self.num_layers * 2 * self.kv_buffer[0, 0, 0].numel() * self.kv_buffer.element_size()
+
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of K (or V) in one layer: the unit a transfer moves."""
         return self.page_size * self.kv_buffer[0, 0, 0].numel() * self.kv_buffer.element_size()

@@ -36,6 +36,7 @@ class MatchResult:
 
     indices: torch.Tensor  # (prefix_len,) int64 KV slots; prefix_len % page_size == 0
     last_node: object  # opaque handle: lock/unlock it, pass it back in req.last_node
+    host_hit: int = 0  # of those, tokens match_and_load copied back from the host tier
 
 
 class CacheableReq(Protocol):
@@ -75,6 +76,12 @@ class PrefixCache(ABC):
         Side effects: may split a node at a page boundary (what is cached does not
         change) and refreshes LRU times along the matched path. Never frees, evicts
         or locks. The caller caps the key (at most input_len - 1 tokens)."""
+
+    def match_and_load(self, token_ids: list[int]) -> MatchResult:
+        """match_prefix, for a request about to be admitted: a cache with a lower tier copies
+        what it holds of the key back to the device first (so it may evict, never lock). The
+        result's slots are on the device and unlocked, as match_prefix's."""
+        return self.match_prefix(token_ids)
 
     @abstractmethod
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:

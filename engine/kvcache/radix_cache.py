@@ -21,6 +21,24 @@ Locks: lock_ref counts requests whose matched path runs through a node (a lock
 on a node increments it and every ancestor), so lock_ref >= sum of the children's.
 Sizes are kept exactly: a node's tokens are protected while lock_ref > 0,
 evictable otherwise.
+
+With a host tier (host_tier.py, `--enable-hierarchical-cache`) a node's KV may live on the
+device (`slots`), on the host (`host`), or on both. The rules between the tiers:
+
+- The device part of the tree is closed under parents: a node on the device has its parent
+  there too, so a match's device prefix is one walk from the root, and a lock (which only a
+  device node takes) covers device nodes only.
+- Eviction takes a device leaf (no child on the device), unlocked, least recent first: its
+  pages are written to the host unless it has a copy there (write_back; write_through copied
+  them when the cache took them), then freed on the device. The node stays, on the host only.
+  Where the host has no room even after dropping its own least recent leaves, the node goes
+  with its subtree, as without a tier.
+- `match_and_load` continues a match through host-only nodes and copies them back into new
+  device pages (before the extend that would otherwise recompute them), locking the matched
+  prefix meanwhile so that making room cannot evict it.
+- A host-only node a request recomputed anyway takes the request's pages at insert.
+- A host page is freed by the node that holds it, when the node is dropped; a device page as
+  before. check_integrity counts both pools against the nodes.
 """
 
 from __future__ import annotations
@@ -31,16 +49,18 @@ from collections.abc import Iterator
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.host_tier import HostTier
 from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, NoPrefixCache, PrefixCache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 class TreeNode:
-    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access", "node_id")
+    __slots__ = ("key", "slots", "host", "children", "parent", "lock_ref", "last_access", "node_id")
 
-    def __init__(self, key: list[int], slots: torch.Tensor, parent: TreeNode | None, node_id: int) -> None:
+    def __init__(self, key: list[int], slots: torch.Tensor | None, parent: TreeNode | None, node_id: int) -> None:
         self.key = key
-        self.slots = slots  # (len(key),) int64
+        self.slots = slots  # (len(key),) int64 device slots; None: on the host only
+        self.host: torch.Tensor | None = None  # (len(key),) int64 host-tier slots, if it has a copy
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent  # None for the root and for nodes that were evicted
         self.lock_ref = 0
@@ -50,19 +70,23 @@ class TreeNode:
 
 class RadixCache(PrefixCache):
     def __init__(
-        self, req_to_token_pool: ReqToTokenPool, kv_pool_allocator: PageAllocator, page_size: int
+        self, req_to_token_pool: ReqToTokenPool, kv_pool_allocator: PageAllocator, page_size: int,
+        host: HostTier | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool_allocator, page_size)
+        self.host = host
         self._clock = 0
         self._next_id = 0
+        self._loading: set[int] = set()  # node ids match_and_load is bringing back: not dropped meanwhile
         self._new_root()
 
     def _new_root(self) -> None:
         self.root = self._new_node([], torch.empty(0, dtype=torch.int64, device=self.device), None)
         self._evictable = 0
         self._protected = 0
+        self._host_held = 0  # tokens with a host copy
 
-    def _new_node(self, key: list[int], slots: torch.Tensor, parent: TreeNode | None) -> TreeNode:
+    def _new_node(self, key: list[int], slots: torch.Tensor | None, parent: TreeNode | None) -> TreeNode:
         self._next_id += 1
         return TreeNode(key, slots, parent, self._next_id)
 
@@ -74,17 +98,62 @@ class RadixCache(PrefixCache):
         node, pos, parts = self.root, 0, []
         while pos < len(key):
             child = node.children.get(tuple(key[pos : pos + P]))
-            if child is None:
+            if child is None or child.slots is None:  # a host-only node: match_and_load's to bring back
                 break
             n = self._common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)  # the diverging page cannot match below it
             child.last_access = tick
-            parts.append(child.slots)
+            parts.append(child.slots)  # type: ignore[arg-type]  # a device node: slots set
             node, pos = child, pos + n
         if not parts:
             return MatchResult(torch.empty(0, dtype=torch.int64, device=self.device), self.root)
         return MatchResult(torch.cat(parts), node)
+
+    def match_and_load(self, token_ids: list[int]) -> MatchResult:
+        """match_prefix, continued through host-only nodes that are copied back to the device
+        (as many whole nodes as the device has room for, evicting other unlocked entries)."""
+        match = self.match_prefix(token_ids)
+        if self.host is None:
+            return match
+        P = self.page_size
+        key = list(token_ids[: len(token_ids) - len(token_ids) % P])
+        node, pos, path = match.last_node, match.indices.numel(), []
+        while pos < len(key):
+            child = node.children.get(tuple(key[pos : pos + P]))  # type: ignore[attr-defined]
+            if child is None:
+                break
+            n = self._common_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = self._clock  # the match's tick: parents stay no older than children
+            path.append(child)
+            node, pos = child, pos + n
+        if not path:
+            return match
+        self.inc_lock_ref(match.last_node)  # making room must not evict the prefix matched so far
+        self._loading = {c.node_id for c in path}
+        loaded: list[torch.Tensor] = []
+        try:
+            short = sum(len(c.key) for c in path) - self.allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            for child in path:
+                pages = self.allocator.alloc_pages(len(child.key) // P)
+                if pages is None:
+                    break
+                slots = (pages[:, None] * P + torch.arange(P)).flatten().to(self.device)
+                self.host.load(child.host, slots)  # type: ignore[arg-type]  # host-only: host set
+                child.slots = slots
+                self._evictable += len(child.key)
+                loaded.append(slots)
+        finally:
+            self._loading = set()
+            self.dec_lock_ref(match.last_node)
+        if not loaded:
+            return match
+        last = path[len(loaded) - 1]
+        return MatchResult(torch.cat([match.indices, *loaded]), last, host_hit=sum(x.numel() for x in loaded))
 
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         P = self.page_size
@@ -93,6 +162,7 @@ class RadixCache(PrefixCache):
         token_ids = list(token_ids)  # list slices compare equal below, tuples would not
         tick = self._tick()
         node, pos = self.root, 0
+        taken: int | None = None  # where the caller's slots began passing to host-only nodes
         while pos < len(token_ids):
             child = node.children.get(tuple(token_ids[pos : pos + P]))
             if child is None:
@@ -100,13 +170,19 @@ class RadixCache(PrefixCache):
                 leaf.last_access = tick
                 node.children[tuple(leaf.key[:P])] = leaf
                 self._evictable += len(leaf.key)
-                return pos  # [0, pos) was already cached
+                if self.host is not None and self.host.write_through:
+                    leaf.host = self._host_write(leaf.slots)  # type: ignore[arg-type]
+                return pos if taken is None else taken  # [0, that) was already cached
             n = self._common_len(child.key, token_ids, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = tick
+            if child.slots is None:  # on the host only (so is all below it): the caller's KV is the device copy
+                child.slots = slots[pos : pos + n].to(torch.int64, copy=True)
+                self._evictable += n
+                taken = pos if taken is None else taken
             node, pos = child, pos + n
-        return pos
+        return pos if taken is None else taken
 
     def _common_len(self, edge: list[int], key: list[int], pos: int) -> int:
         """Page-aligned length of the common prefix of `edge` and key[pos:]."""
@@ -128,10 +204,12 @@ class RadixCache(PrefixCache):
         parent = node.parent
         # invariant: _split is called on a matched edge, inside it, at a page boundary
         assert parent is not None and 0 < n < len(node.key) and n % P == 0
-        upper = self._new_node(node.key[:n], node.slots[:n].clone(), parent)
+        upper = self._new_node(node.key[:n], None if node.slots is None else node.slots[:n].clone(), parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
-        node.key, node.slots = node.key[n:], node.slots[n:].clone()
+        if node.host is not None:
+            upper.host, node.host = node.host[:n].clone(), node.host[n:].clone()
+        node.key, node.slots = node.key[n:], None if node.slots is None else node.slots[n:].clone()
         node.parent = upper
         upper.children[tuple(node.key[:P])] = node
         parent.children[tuple(upper.key[:P])] = upper
@@ -167,7 +245,7 @@ class RadixCache(PrefixCache):
     def _check_attached(self, node: object) -> TreeNode:
         if not isinstance(node, TreeNode):
             raise TypeError(f"not a RadixCache handle: {node!r}")
-        if node is not self.root and node.parent is None:
+        if node is not self.root and (node.parent is None or node.slots is None):
             raise RuntimeError("handle refers to an evicted node; match again")
         return node
 
@@ -214,24 +292,80 @@ class RadixCache(PrefixCache):
 
     # ---- memory ----------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        heap = [(n.last_access, n.node_id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        """Free device pages of unlocked leaves, least recent first. With a host tier a leaf
+        moves to the host (written there first unless it has a copy) and stays matchable."""
+        heap = [(n.last_access, n.node_id, n) for n in self._nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
         num_freed = 0
         while num_freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None  # invariant: evict pops leaves, never the root
-            del parent.children[tuple(leaf.key[: self.page_size])]
-            leaf.parent = None  # marks the handle stale for inc_lock_ref
+            assert parent is not None and leaf.slots is not None  # invariant: device leaves, never the root
+            if self.host is not None and leaf.host is None:
+                leaf.host = self._host_write(leaf.slots)
             freed.append(leaf.slots)
+            if leaf.host is not None:
+                leaf.slots = None  # on the host only now
+            else:
+                self._drop(leaf)
             num_freed += len(leaf.key)
             self._evictable -= len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent is not self.root and self._device_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         if freed:
             self.allocator.free(torch.cat(freed))
         return num_freed
+
+    def _device_leaf(self, node: TreeNode) -> bool:
+        return (node.slots is not None and node.lock_ref == 0
+                and not any(c.slots is not None for c in node.children.values()))
+
+    def _drop(self, node: TreeNode) -> None:
+        """Take `node` and its subtree out of the tree, freeing their host pages; the caller
+        frees its device pages (below it there are none: the device part is parent-closed)."""
+        parent = node.parent
+        assert parent is not None  # invariant: never the root
+        del parent.children[tuple(node.key[: self.page_size])]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            n.parent = None  # marks the handle stale for inc_lock_ref
+            if n.host is not None:
+                self._host_held -= n.host.numel()
+                self.host.free(n.host)  # type: ignore[union-attr]  # a host copy implies a tier
+                n.host = None
+            stack.extend(n.children.values())
+
+    def _host_write(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """Copy device pages to the host tier, dropping its least recent host-only leaves for
+        room; the host slots, or None when even that leaves too little."""
+        host = self.host
+        assert host is not None  # invariant: called only with a tier
+        short = slots.numel() - host.allocator.available_size()
+        if short > 0:
+            self._evict_host(short)
+        copy = host.write(slots)
+        if copy is not None:
+            self._host_held += copy.numel()
+        return copy
+
+    def _evict_host(self, num_tokens: int) -> int:
+        """Drop host-only leaves, least recent first, until `num_tokens` host tokens are free."""
+        def host_leaf(n: TreeNode) -> bool:
+            return n.slots is None and not n.children and n.node_id not in self._loading
+
+        heap = [(n.last_access, n.node_id, n) for n in self._nodes() if host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed += len(leaf.key)
+            self._drop(leaf)
+            if parent is not None and parent is not self.root and host_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return freed
 
     def reset(self) -> None:
         if self._protected:
@@ -239,8 +373,12 @@ class RadixCache(PrefixCache):
         nodes = list(self._nodes())
         for node in nodes:
             node.parent = None  # stale every outstanding handle
-        if nodes:
-            self.allocator.free(torch.cat([n.slots for n in nodes]))
+        on_device = [n.slots for n in nodes if n.slots is not None]
+        if on_device:
+            self.allocator.free(torch.cat(on_device))
+        on_host = [n.host for n in nodes if n.host is not None]
+        if on_host:
+            self.host.free(torch.cat(on_host), dropped=False)  # type: ignore[union-attr]
         self._new_root()
 
     def evictable_size(self) -> int:
@@ -248,6 +386,10 @@ class RadixCache(PrefixCache):
 
     def protected_size(self) -> int:
         return self._protected
+
+    def host_size(self) -> int:
+        """Tokens with a copy in the host tier (0 without one)."""
+        return self._host_held
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
@@ -263,9 +405,18 @@ class RadixCache(PrefixCache):
         assert not self.root.key and self.root.parent is None and self.root.lock_ref == 0
         evictable = protected = 0
         all_slots = [self.root.slots]
+        host_slots: list[torch.Tensor] = []
         for node in self._nodes():
             n = len(node.key)
             assert n > 0 and n % P == 0, f"edge of {n} tokens is not whole pages"
+            assert node.slots is not None or node.host is not None, "a node with its KV in neither tier"
+            if node.host is not None:
+                assert self.host is not None and node.host.numel() == n, "a host copy of the wrong length"
+                host_slots.append(node.host)
+            if node.slots is None:
+                assert node.lock_ref == 0, "a lock on a node that is not on the device"
+                assert all(c.slots is None for c in node.children.values()), "a device node under a host-only one"
+                continue
             assert node.slots.numel() == n, f"edge of {n} tokens has {node.slots.numel()} slots"
             assert node.parent is not None and node.parent.children.get(tuple(node.key[:P])) is node, (
                 "node is not under its parent by its first page"
@@ -283,6 +434,11 @@ class RadixCache(PrefixCache):
         )
         slots = torch.cat(all_slots).cpu()
         assert slots.numel() == torch.unique(slots).numel(), "a KV slot is cached twice"
+        if self.host is not None:
+            held = torch.cat(host_slots) if host_slots else torch.empty(0, dtype=torch.int64)
+            assert held.numel() == self._host_held, f"host tokens tracked {self._host_held} != walked {held.numel()}"
+            assert held.numel() == torch.unique(held).numel(), "a host slot is held twice"
+            self.host.allocator.check_integrity(in_use_pages=held.numel() // P)
         # Each page of an edge must be one whole allocator page: slots p*P .. p*P+P-1,
         # never page 0 (reserved). Freeing relies on it.
         pages = slots.view(-1, P)
@@ -295,8 +451,11 @@ def create_prefix_cache(
     req_to_token_pool: ReqToTokenPool,
     kv_pool_allocator: PageAllocator,
     page_size: int,
+    host: HostTier | None = None,
 ) -> PrefixCache:
     """RadixCache unless the radix cache is disabled (here, beside the one module that knows both)."""
     if disable_radix_cache:
+        if host is not None:
+            raise ValueError("the hierarchical cache is a tier of the radix cache: it needs the radix cache on")
         return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
-    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size)
+    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host)

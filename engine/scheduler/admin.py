@@ -70,5 +70,14 @@ def _pool_state(sched: AdminView, idle: bool) -> dict[str, Any]:
         "free_tokens": sched.cache.allocator.available_size(), "cached_tokens": sched.cache.tree.total_size(),
         "capacity_tokens": sched.cache.capacity_tokens(), "kv_usage": sched.cache.usage(),
         "kv_dtype": str(sched.cache.kv_pool.dtype).removeprefix("torch."),
-        "kv_scales": sched.cache.kv_pool.scales.digest(), **sched.load(),
+        "kv_scales": sched.cache.kv_pool.scales.digest(), **sched.load(), **_host_tier(sched),
     }
+
+
+def _host_tier(sched: AdminView) -> dict[str, Any]:
+    """The host tier's state (kvcache/host_tier.py), where there is one."""
+    host = getattr(sched.cache.tree, "host", None)
+    if host is None:
+        return {}
+    return {"host_tier": {"capacity_tokens": host.capacity_tokens, "used_tokens": host.used_tokens(),
+                          "cached_tokens": sched.cache.tree.host_size(), **host.stats.as_dict()}}

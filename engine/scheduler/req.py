@@ -131,7 +131,7 @@ class Req:
         resumes from the KV already in its own row."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if self.req_pool_idx is None:
-            match = tree_cache.match_prefix(self.fill_ids[: len(self.fill_ids) - 1])
+            match = tree_cache.match_and_load(self.fill_ids[: len(self.fill_ids) - 1])
             self.prefix_indices, self.last_node = match.indices, match.last_node
             self.cached_tokens = len(self.prefix_indices)
         self.extend_input_len = len(self.fill_ids) - self.prefix_len

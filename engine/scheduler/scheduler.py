@@ -21,6 +21,7 @@ from typing import Any
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.kvcache.host_tier import HostTier, host_tokens
 from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.parallel.digest import check_same_batch
@@ -76,8 +77,12 @@ class Scheduler:
         # the others each iteration (parallel/tick.py), so all of them decide alike.
         self.tp = runner.tp
         self.steps = 0
+        host = None
+        if config.enable_hierarchical_cache:
+            tokens = host_tokens(memory.kv_pool, config.hicache_ratio, config.hicache_size)
+            host = HostTier(memory.kv_pool, tokens, config.hicache_write_policy)
         tree = create_prefix_cache(
-            config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size
+            config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size, host
         )
         # Overlap: a batch's results are processed while the next batch runs (cache_manager.py)
         self.cache = CacheManager(memory.req_table, memory.kv_pool, tree, hold_freed=config.enable_overlap)

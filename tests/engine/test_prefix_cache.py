@@ -1,4 +1,5 @@
-"""Contract tests of the prefix-cache seam, run against RadixCache and NoPrefixCache.
+"""Contract tests of the prefix-cache seam, run against RadixCache (alone and over a host tier,
+kvcache/host_tier.py) and NoPrefixCache.
 
 Each test runs on both implementations (x page sizes 1 and 16) and expects the
 same except where the contract lets them differ: the radix cache hits (`env.n`),
@@ -45,7 +46,7 @@ def test_match_empty_partial_full_and_miss(env: Env) -> None:
     env.check()
 
 
-@pytest.fixture(params=["radix", "none"])
+@pytest.fixture(params=["radix", "tiered", "none"])
 def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 

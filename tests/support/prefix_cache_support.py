@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.host_tier import HostTier
+from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.prefix_cache import PrefixCache
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
@@ -61,11 +63,19 @@ class Env:
         return self.alloc.alloc_extend([prefix_len], [extend_len], [last_loc])
 
 
-def make_env(kind: str, page_size: int, num_pages: int = 64) -> Env:
-    alloc = PageAllocator(num_pages, page_size, "cpu")
+def make_env(kind: str, page_size: int, num_pages: int = 64, host_pages: int = 16) -> Env:
+    """kind: "radix", "none", or "tiered" (the radix cache over a host tier of `host_pages`,
+    write-back, so eviction writes and a match can load)."""
     pool = ReqToTokenPool(8, 64 * page_size, "cpu")
-    cache = create_prefix_cache(kind == "none", pool, alloc, page_size)
-    return Env(cache, alloc, pool, page_size, hits=kind == "radix")
+    host = None
+    if kind == "tiered":
+        kv = TokenToKVPool(num_pages, page_size, 2, 1, 16, torch.float32, "cpu")
+        alloc = kv.allocator
+        host = HostTier(kv, host_pages * page_size, "write_back")
+    else:
+        alloc = PageAllocator(num_pages, page_size, "cpu")
+    cache = create_prefix_cache(kind == "none", pool, alloc, page_size, host)
+    return Env(cache, alloc, pool, page_size, hits=kind != "none")
 
 
 def seq(env: Env, *page_ids: int) -> list[int]:
