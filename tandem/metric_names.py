@@ -23,6 +23,12 @@ KV_TRANSFER_FAILURES_TOTAL = "tandem_kv_transfer_failures_total"
 # PD counts by `event` label (handshake_failures, local_prefills, kv_bytes_sent, ...): a gauge
 # set from the schedulers' running totals.
 PD_EVENTS = "tandem_pd_events"
+# Prompt tokens of finished requests found in the prefix cache, either tier (a counter), and the
+# host tier's running totals by `stat` label (written_tokens, loaded_tokens, dropped_tokens,
+# written_bytes, loaded_bytes, load_seconds, capacity_tokens, used_tokens): a gauge, as PD_EVENTS.
+# Host hits are loaded_tokens; device hits the rest of the cached tokens.
+CACHED_PROMPT_TOKENS = "tandem_cached_prompt_tokens"
+HOST_TIER = "tandem_host_tier"
 
 # Bucket bounds the workers should use for the latency histograms, so that a p95
 # read by the operator has useful resolution around typical SLO targets.

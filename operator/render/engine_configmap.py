@@ -26,8 +26,12 @@ def role_engine_yaml(svc: ServiceSpec, role: str, generation: str) -> str:
     cannot serve disaggregated. The Service is the generation's own: a decode pod never
     handshakes with a prefill pod it cannot exchange KV with."""
     args = dict(svc.engine_args)
-    if svc.role(role).expert_parallel_size > 1:
-        args["ep_size"] = svc.role(role).expert_parallel_size
+    spec = svc.role(role)
+    if spec.expert_parallel_size > 1:
+        args["ep_size"] = spec.expert_parallel_size
+    if spec.host_cache_gib > 0:  # the pod's host tier, shared by its ranks (each runs its own)
+        args["enable_hierarchical_cache"] = True
+        args["hicache_size"] = spec.host_cache_gib / spec.tensor_parallel_size
     if role == DECODE:
         prefill = f"{names.generation_name(svc.name, PREFILL, generation)}.{svc.namespace}.svc.cluster.local"
         args.setdefault("pd_prefill_peers", f"{prefill}:{names.BOOTSTRAP_PORT}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from tandem import worker_contract as contract
 from tandem.operator import names
 from tandem.operator.render.engine_configmap import config_key
@@ -51,6 +53,12 @@ def worker_resources(spec: RoleSpec) -> dict[str, Any]:
     requests = resources.get("requests")
     if requests is not None and GPU in requests:
         requests[GPU] = limits[GPU]  # extended resources require requests == limits
+    if spec.host_cache_gib > 0:  # the KV host tier is pod memory on top of what the model needs
+        for part in (resources.get("requests") or {}, limits):
+            try:
+                part["memory"] = str(int(parse_quantity(part["memory"]) + int(spec.host_cache_gib * 2**30)))
+            except (KeyError, ValueError):  # unset, or not a quantity: the API server says which
+                pass
     return resources
 
 

@@ -10,6 +10,7 @@ from typing import Any
 MAX_REPLICAS = 10_000
 MAX_TENSOR_PARALLEL = 64
 MAX_SECONDS = 86_400
+MAX_HOST_CACHE_GIB = 4096
 
 
 def _int(value: Any, where: str, errors: list[str], lo: int = 0, hi: int | None = None) -> int:

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
-from tandem.operator.spec.field_checks import MAX_REPLICAS, MAX_SECONDS, MAX_TENSOR_PARALLEL, _int, _num
+from tandem.operator.spec.field_checks import (
+    MAX_HOST_CACHE_GIB,
+    MAX_REPLICAS,
+    MAX_SECONDS,
+    MAX_TENSOR_PARALLEL,
+    _int,
+    _num,
+)
 from tandem.operator.spec.pd_ratio import ratio_feasible
 from tandem.operator.spec.spec_schema import ENGINE
 
@@ -60,6 +67,7 @@ class RoleSpec:
     service_type: str
     service_port: int
     expert_parallel_size: int = 1  # 1, or tensor_parallel_size (EP runs on the TP ranks)
+    host_cache_gib: float = 0.0  # the pod's KV host tier (engine: hicache_size per rank), 0: none
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,7 @@ def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) ->
         service_port=_int(raw.get("servicePort", 80), f"{where}.servicePort", errors, lo=1, hi=65535),
         expert_parallel_size=_int(raw.get("expertParallelSize", 1), f"{where}.expertParallelSize", errors, lo=1,
                                   hi=MAX_TENSOR_PARALLEL),
+        host_cache_gib=_gib(raw.get("hostCacheGiB", 0), f"{where}.hostCacheGiB", errors),
     )
     if spec.expert_parallel_size not in (1, spec.tensor_parallel_size):  # a CR past admission
         errors.append(f"{where}.expertParallelSize {spec.expert_parallel_size} must be 1 or tensorParallelSize "
@@ -257,6 +266,13 @@ def parse_engine_args(raw: dict[str, Any], errors: list[str]) -> dict[str, Any]:
     if clash:
         errors.append(f"spec.engine.extra repeats typed args {clash}")
     return {**args, **extra}
+
+
+def _gib(value: Any, where: str, errors: list[str]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_HOST_CACHE_GIB:
+        errors.append(f"{where} must be a number of GiB in 0..{MAX_HOST_CACHE_GIB}, got {value!r:.40}")
+        return 0.0
+    return float(value)
 
 
 def kv_dtype_problems(engine_args: dict[str, Any], roles: dict[str, RoleSpec]) -> list[str]:

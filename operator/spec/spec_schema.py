@@ -61,6 +61,11 @@ def role_schema(role: str, *, worker: bool) -> Schema:
             "Expert parallelism for a mixture-of-experts model: 1 (each GPU holds a share of every "
             "expert), or tensorParallelSize (each GPU holds whole experts). It runs on the tensor-parallel "
             "ranks, so the pod's GPUs stay tensorParallelSize."))
+        props["hostCacheGiB"] = number(0, 4096, 0, (
+            "Host memory (GiB, per pod) for a KV cache tier under the device pool (--enable-hierarchical-cache): "
+            "prefixes the device evicts are kept there and loaded back instead of recomputed. 0: no tier. "
+            "The pod's memory request (and limit, where set) grows by it; each tensor-parallel rank holds "
+            "its share."))
         props["drainTimeoutSeconds"] = integer(
             0, 3600, 120, "How long preStop waits for in-flight requests; the grace period adds 30 s.")
         props["startupTimeoutSeconds"] = integer(30, 7200, 900, "Model load budget before liveness applies.")

@@ -30,6 +30,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("tandem_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "generated tokens", registry=r)
         self.pool_whole = Gauge("tandem_kv_pool_whole", "1 when the last idle integrity check passed", registry=r)
+        self.cached_tokens = Counter(names.CACHED_PROMPT_TOKENS, "prompt tokens of finished requests found in "
+                                     "the prefix cache (device or host tier)", registry=r)
+        self.host_tier = Gauge(names.HOST_TIER, "host KV tier totals since start (written/loaded/dropped tokens "
+                               "and bytes, load_seconds) and size (capacity_tokens, used_tokens)", ["stat"], registry=r)
         # PD (prefill and decode roles): the scheduler's running counts, summed over ranks.
         self.handshake_ok = Gauge(names.KV_HANDSHAKE_OK, "decode: 1 while a prefill handshake holds", registry=r)
         self.pd_events = Gauge(names.PD_EVENTS, "PD counts since start (handshakes, handshake_failures, "
@@ -53,6 +57,7 @@ class ServerMetrics:
         if out.finished:
             self.requests.labels((out.finish_reason or {}).get("kind", "stop")).inc()
             self.prompt_tokens.inc(out.prompt_tokens)
+            self.cached_tokens.inc(out.cached_tokens)
 
     def render(self, pools: list[dict[str, Any]]) -> bytes:
         self.queue.set(sum(p["num_waiting"] for p in pools))
@@ -63,6 +68,9 @@ class ServerMetrics:
             self.handshake_ok.set(1.0 if all(x["ready"] for x in pd) else 0.0)
         for key in sorted({k for x in pd for k, v in x.items() if isinstance(v, int) and not isinstance(v, bool)}):
             self.pd_events.labels(key).set(sum(x.get(key, 0) for x in pd))
+        tiers = [p["host_tier"] for p in pools if p.get("host_tier")]
+        for key in sorted({k for t in tiers for k in t}):
+            self.host_tier.labels(key).set(sum(t.get(key, 0) for t in tiers))
         if all(p["whole"] is not None for p in pools):
             self.pool_whole.set(1.0 if all(p["whole"] for p in pools) else 0.0)
         return generate_latest(self.registry)

@@ -67,3 +67,16 @@ def test_the_tier_needs_the_radix_cache_and_a_known_policy(engine) -> None:
         engine(enable_hierarchical_cache=True, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache_write_policy must be one of write_through, write_back"):
         engine(enable_hierarchical_cache=True, hicache_write_policy="write_through_selective")
+
+
+def test_tensor_parallel_ranks_keep_their_tiers_in_step(engine) -> None:
+    """Each TP rank has its own host tier; the ranks evict, write and load alike (the batch
+    digest would catch a rank that differed), and answer as a single rank does."""
+    chats = _chats(6)
+    base = dict(max_total_tokens=160, page_size=4, disable_overlap_schedule=True)
+    want, _ = _two_turns(engine(**base), chats)
+    tp = engine(**base, tp_size=2, debug_tp_digest=True, enable_hierarchical_cache=True, hicache_ratio=8.0,
+                hicache_write_policy="write_back")
+    got, cached = _two_turns(tp, chats)
+    assert got == want and min(cached) >= 60
+    assert tp.status()[0].info["host_tier"]["loaded_tokens"] > 0
