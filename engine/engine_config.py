@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.kvcache.kv_events import KVEventsConfig
 from tandem.engine.model_config import RunnerConfig
 from tandem.worker_contract import EngineYaml
 
@@ -41,6 +42,9 @@ class EngineConfig:
     # A host-memory tier under the radix cache (kvcache/host_tier.py; SGLang's HiCache flags): its
     # size is hicache_size GiB when set, else hicache_ratio times the device pool; write_through
     # copies a page to the host when the cache takes it, write_back when the device evicts it.
+    # KV events for an external router (kvcache/kv_events.py): vLLM's --kv-events-config JSON, e.g.
+    # {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}.
+    kv_events_config: str | None = None
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
@@ -156,6 +160,9 @@ class EngineConfig:
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("enable_hierarchical_cache is a tier of the radix cache: drop disable_radix_cache")
+        events = KVEventsConfig.parse(self.kv_events_config)
+        if events.enabled and self.disable_radix_cache:
+            raise ValueError("KV events describe the radix cache: drop disable_radix_cache to publish them")
         if not (0 < self.hicache_ratio <= 1000 and 0 <= self.hicache_size <= 1 << 20):
             raise ValueError("hicache_ratio must be in (0, 1000] and hicache_size in [0, 2^20] GiB")
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:

@@ -50,17 +50,19 @@ import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.engine.kvcache.host_tier import HostTier
+from tandem.engine.kvcache.kv_events import DEVICE, HOST, KVEventLog, block_hashes
 from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, NoPrefixCache, PrefixCache
 from tandem.engine.kvcache.req_table import ReqToTokenPool
 
 
 class TreeNode:
-    __slots__ = ("key", "slots", "host", "children", "parent", "lock_ref", "last_access", "node_id")
+    __slots__ = ("key", "slots", "host", "hashes", "children", "parent", "lock_ref", "last_access", "node_id")
 
     def __init__(self, key: list[int], slots: torch.Tensor | None, parent: TreeNode | None, node_id: int) -> None:
         self.key = key
         self.slots = slots  # (len(key),) int64 device slots; None: on the host only
         self.host: torch.Tensor | None = None  # (len(key),) int64 host-tier slots, if it has a copy
+        self.hashes: list[int] = []  # each page's chained hash, when KV events are on (kv_events.py)
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent  # None for the root and for nodes that were evicted
         self.lock_ref = 0
@@ -71,10 +73,11 @@ class TreeNode:
 class RadixCache(PrefixCache):
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, kv_pool_allocator: PageAllocator, page_size: int,
-        host: HostTier | None = None,
+        host: HostTier | None = None, events: KVEventLog | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool_allocator, page_size)
         self.host = host
+        self.events = events  # what is stored and removed, for an external router (kv_events.py)
         self._clock = 0
         self._next_id = 0
         self._loading: set[int] = set()  # node ids match_and_load is bringing back: not dropped meanwhile
@@ -147,6 +150,7 @@ class RadixCache(PrefixCache):
                 child.slots = slots
                 self._evictable += len(child.key)
                 loaded.append(slots)
+                self._stored(child, DEVICE)
         finally:
             self._loading = set()
             self.dec_lock_ref(match.last_node)
@@ -170,8 +174,11 @@ class RadixCache(PrefixCache):
                 leaf.last_access = tick
                 node.children[tuple(leaf.key[:P])] = leaf
                 self._evictable += len(leaf.key)
+                if self.events is not None:
+                    leaf.hashes = block_hashes(self._parent_hash(leaf), leaf.key, P)
+                    self._stored(leaf, DEVICE)
                 if self.host is not None and self.host.write_through:
-                    leaf.host = self._host_write(leaf.slots)  # type: ignore[arg-type]
+                    leaf.host = self._host_write(leaf)
                 return pos if taken is None else taken  # [0, that) was already cached
             n = self._common_len(child.key, token_ids, pos)
             if n < len(child.key):
@@ -181,6 +188,7 @@ class RadixCache(PrefixCache):
                 child.slots = slots[pos : pos + n].to(torch.int64, copy=True)
                 self._evictable += n
                 taken = pos if taken is None else taken
+                self._stored(child, DEVICE)
             node, pos = child, pos + n
         return pos if taken is None else taken
 
@@ -209,6 +217,7 @@ class RadixCache(PrefixCache):
         upper.last_access = node.last_access
         if node.host is not None:
             upper.host, node.host = node.host[:n].clone(), node.host[n:].clone()
+        upper.hashes, node.hashes = node.hashes[: n // P], node.hashes[n // P :]
         node.key, node.slots = node.key[n:], None if node.slots is None else node.slots[n:].clone()
         node.parent = upper
         upper.children[tuple(node.key[:P])] = node
@@ -303,8 +312,9 @@ class RadixCache(PrefixCache):
             parent = leaf.parent
             assert parent is not None and leaf.slots is not None  # invariant: device leaves, never the root
             if self.host is not None and leaf.host is None:
-                leaf.host = self._host_write(leaf.slots)
+                leaf.host = self._host_write(leaf)
             freed.append(leaf.slots)
+            self._removed(leaf, DEVICE)
             if leaf.host is not None:
                 leaf.slots = None  # on the host only now
             else:
@@ -335,20 +345,35 @@ class RadixCache(PrefixCache):
                 self._host_held -= n.host.numel()
                 self.host.free(n.host)  # type: ignore[union-attr]  # a host copy implies a tier
                 n.host = None
+                self._removed(n, HOST)
             stack.extend(n.children.values())
 
-    def _host_write(self, slots: torch.Tensor) -> torch.Tensor | None:
-        """Copy device pages to the host tier, dropping its least recent host-only leaves for
-        room; the host slots, or None when even that leaves too little."""
-        host = self.host
-        assert host is not None  # invariant: called only with a tier
+    def _host_write(self, node: TreeNode) -> torch.Tensor | None:
+        """Copy a device node's pages to the host tier, dropping its least recent host-only
+        leaves for room; the host slots, or None when even that leaves too little."""
+        host, slots = self.host, node.slots
+        assert host is not None and slots is not None  # invariant: called only with a tier, on device nodes
         short = slots.numel() - host.allocator.available_size()
         if short > 0:
             self._evict_host(short)
         copy = host.write(slots)
         if copy is not None:
             self._host_held += copy.numel()
+            self._stored(node, HOST)
         return copy
+
+    # ---- events ------------------------------------------------------------------------
+    def _parent_hash(self, node: TreeNode) -> int | None:
+        parent = node.parent
+        return parent.hashes[-1] if parent is not None and parent.hashes else None
+
+    def _stored(self, node: TreeNode, medium: str) -> None:
+        if self.events is not None:
+            self.events.stored(node.hashes, self._parent_hash(node), node.key, medium)
+
+    def _removed(self, node: TreeNode, medium: str) -> None:
+        if self.events is not None:
+            self.events.removed(node.hashes, medium)
 
     def _evict_host(self, num_tokens: int) -> int:
         """Drop host-only leaves, least recent first, until `num_tokens` host tokens are free."""
@@ -379,6 +404,8 @@ class RadixCache(PrefixCache):
         on_host = [n.host for n in nodes if n.host is not None]
         if on_host:
             self.host.free(torch.cat(on_host), dropped=False)  # type: ignore[union-attr]
+        if self.events is not None:
+            self.events.cleared()
         self._new_root()
 
     def evictable_size(self) -> int:
@@ -410,6 +437,7 @@ class RadixCache(PrefixCache):
             n = len(node.key)
             assert n > 0 and n % P == 0, f"edge of {n} tokens is not whole pages"
             assert node.slots is not None or node.host is not None, "a node with its KV in neither tier"
+            assert self.events is None or len(node.hashes) == n // P, "a node's block hashes are not one a page"
             if node.host is not None:
                 assert self.host is not None and node.host.numel() == n, "a host copy of the wrong length"
                 host_slots.append(node.host)
@@ -452,10 +480,11 @@ def create_prefix_cache(
     kv_pool_allocator: PageAllocator,
     page_size: int,
     host: HostTier | None = None,
+    events: KVEventLog | None = None,
 ) -> PrefixCache:
     """RadixCache unless the radix cache is disabled (here, beside the one module that knows both)."""
     if disable_radix_cache:
         if host is not None:
             raise ValueError("the hierarchical cache is a tier of the radix cache: it needs the radix cache on")
         return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
-    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host)
+    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host, events)

@@ -21,7 +21,9 @@ from typing import Any
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.kvcache.event_publisher import ZmqEventPublisher
 from tandem.engine.kvcache.host_tier import HostTier, host_tokens
+from tandem.engine.kvcache.kv_events import KVEventLog, KVEventsConfig
 from tandem.engine.kvcache.kv_memory import KVMemory
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
 from tandem.engine.parallel.digest import check_same_batch
@@ -81,8 +83,16 @@ class Scheduler:
         if config.enable_hierarchical_cache:
             tokens = host_tokens(memory.kv_pool, config.hicache_ratio, config.hicache_size)
             host = HostTier(memory.kv_pool, tokens, config.hicache_write_policy)
+        # KV events (kvcache/kv_events.py): the TP ranks hold the same cache, so one publishes.
+        events = KVEventsConfig.parse(config.kv_events_config)
+        self.kv_event_log: KVEventLog | None = None
+        self.kv_events: ZmqEventPublisher | None = None
+        if events.enabled and self.tp.leader:
+            self.kv_event_log = KVEventLog(memory.kv_pool.page_size)
+            self.kv_events = ZmqEventPublisher(events, dp_rank)
         tree = create_prefix_cache(
-            config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size, host
+            config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size, host,
+            self.kv_event_log,
         )
         # Overlap: a batch's results are processed while the next batch runs (cache_manager.py)
         self.cache = CacheManager(memory.req_table, memory.kv_pool, tree, hold_freed=config.enable_overlap)
@@ -128,8 +138,16 @@ class Scheduler:
             self.cache.allocator.keep_free_list_sorted()
 
     # ---- input ---------------------------------------------------------------------------------
+    def publish_kv_events(self) -> None:
+        """The last step's KV events as one batch (before the loop may block waiting)."""
+        if self.kv_event_log is not None and self.kv_events is not None:
+            batch = self.kv_event_log.drain(self.dp_rank)
+            if batch is not None:
+                self.kv_events.publish(batch)
+
     def recv_requests(self, block: bool) -> list[Any]:
         self.output.flush()  # what ended since the last results (aborts, timeouts) goes out before waiting
+        self.publish_kv_events()
         msgs = self._drain_inbox(block) if self.tp.leader else None
         if self.tp.size == 1:
             self.life.now = time.monotonic()
@@ -312,5 +330,8 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammar.shutdown()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.close()
         if self.overlap is not None:
             self.overlap.shutdown()
