@@ -49,6 +49,12 @@ class EngineConfig:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_through"
+    # A disk tier under the host tier (kvcache/disk_tier.py; SGLang's --hicache-storage-backend):
+    # "file" keeps pages the host drops in hicache_storage_dir ($TANDEM_HOME/kv-disk when unset),
+    # at most hicache_storage_size GiB, and a restarted worker on the same model reads them.
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float = 16.0
     enable_priority_scheduling: bool = False
     priority_scheduling_preemption_threshold: int = 10
     dp_size: int = 1
@@ -163,6 +169,12 @@ class EngineConfig:
         events = KVEventsConfig.parse(self.kv_events_config)
         if events.enabled and self.disable_radix_cache:
             raise ValueError("KV events describe the radix cache: drop disable_radix_cache to publish them")
+        if self.hicache_storage_backend not in (None, "file"):
+            raise ValueError(f"hicache_storage_backend must be file (or unset), got {self.hicache_storage_backend!r}")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend is a tier under the host tier: add enable_hierarchical_cache")
+        if not 0 < self.hicache_storage_size <= 1 << 20:
+            raise ValueError("hicache_storage_size must be in (0, 2^20] GiB")
         if not (0 < self.hicache_ratio <= 1000 and 0 <= self.hicache_size <= 1 << 20):
             raise ValueError("hicache_ratio must be in (0, 1000] and hicache_size in [0, 2^20] GiB")
         if self.chunked_prefill_size is not None and 0 < self.chunked_prefill_size < self.page_size:

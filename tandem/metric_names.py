@@ -29,6 +29,7 @@ PD_EVENTS = "tandem_pd_events"
 # Host hits are loaded_tokens; device hits the rest of the cached tokens.
 CACHED_PROMPT_TOKENS = "tandem_cached_prompt_tokens"
 HOST_TIER = "tandem_host_tier"
+DISK_TIER = "tandem_disk_tier"  # by `stat`: written/loaded/rejected/evicted pages, used_bytes, budget_bytes
 
 # Bucket bounds the workers should use for the latency histograms, so that a p95
 # read by the operator has useful resolution around typical SLO targets.

@@ -104,6 +104,24 @@ class HostTier:
         self.stats.load_seconds += time.perf_counter() - t
         self.stats.loaded_tokens += host_slots.numel()
 
+    # ---- a page as bytes (the disk tier, disk_tier.py) -------------------------------------
+    @property
+    def page_bytes(self) -> int:
+        return self.stats.bytes_per_token * self.page_size
+
+    def page_payload(self, slots: torch.Tensor, on_host: bool) -> bytes:
+        """One page's K and V of every layer, from the host pool or the device pool."""
+        buf = self.buffer if on_host else self.device_pool.kv_buffer
+        page = int(self._page_ids(slots)[0])
+        return self._pages(buf)[:, :, page].to("cpu").contiguous().numpy().tobytes()
+
+    def load_payload(self, payload: bytes, dev_slots: torch.Tensor) -> None:
+        """Write one page's bytes (page_payload's) into the device page holding `dev_slots`."""
+        dev = self._pages(self.device_pool.kv_buffer)
+        page = int(self._page_ids(dev_slots)[0])
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dev.shape[0], dev.shape[1], -1)
+        dev[:, :, page] = src.to(dev.device)
+
     def free(self, host_slots: torch.Tensor, dropped: bool = True) -> None:
         self.allocator.free(host_slots)
         if dropped:

@@ -49,6 +49,7 @@ from collections.abc import Iterator
 import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
+from tandem.engine.kvcache.disk_tier import DiskTier
 from tandem.engine.kvcache.host_tier import HostTier
 from tandem.engine.kvcache.kv_events import DEVICE, HOST, KVEventLog, block_hashes
 from tandem.engine.kvcache.prefix_cache import CacheableReq, MatchResult, NoPrefixCache, PrefixCache
@@ -73,11 +74,15 @@ class TreeNode:
 class RadixCache(PrefixCache):
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, kv_pool_allocator: PageAllocator, page_size: int,
-        host: HostTier | None = None, events: KVEventLog | None = None,
+        host: HostTier | None = None, events: KVEventLog | None = None, disk: DiskTier | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool_allocator, page_size)
+        if disk is not None and host is None:
+            raise ValueError("the disk tier sits under the host tier: it needs enable_hierarchical_cache")
         self.host = host
         self.events = events  # what is stored and removed, for an external router (kv_events.py)
+        self.disk = disk  # pages the host drops, in files named by their block hash (disk_tier.py)
+        self._hashing = events is not None or disk is not None  # both name a page by its block hash
         self._clock = 0
         self._next_id = 0
         self._loading: set[int] = set()  # node ids match_and_load is bringing back: not dropped meanwhile
@@ -133,7 +138,7 @@ class RadixCache(PrefixCache):
             path.append(child)
             node, pos = child, pos + n
         if not path:
-            return match
+            return self._disk_continuation(match, key)
         self.inc_lock_ref(match.last_node)  # making room must not evict the prefix matched so far
         self._loading = {c.node_id for c in path}
         loaded: list[torch.Tensor] = []
@@ -157,7 +162,22 @@ class RadixCache(PrefixCache):
         if not loaded:
             return match
         last = path[len(loaded) - 1]
-        return MatchResult(torch.cat([match.indices, *loaded]), last, host_hit=sum(x.numel() for x in loaded))
+        result = MatchResult(torch.cat([match.indices, *loaded]), last, host_hit=sum(x.numel() for x in loaded))
+        return self._disk_continuation(result, key) if len(loaded) == len(path) else result
+
+    def _disk_continuation(self, match: MatchResult, key: list[int]) -> MatchResult:
+        """A match extended by what the disk tier holds past its end (match_and_load's last step)."""
+        pos = match.indices.numel()
+        if self.disk is None or pos >= len(key) - len(key) % self.page_size:
+            return match
+        node = match.last_node
+        assert isinstance(node, TreeNode)  # invariant: a RadixCache match
+        if node.children.get(tuple(key[pos : pos + self.page_size])) is not None:
+            return match  # the tree holds this page (a host copy it could not load): not the disk's
+        last, slots = self._load_from_disk(node, key, pos)
+        if slots is None:
+            return match
+        return MatchResult(torch.cat([match.indices, slots]), last, host_hit=match.host_hit + slots.numel())
 
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         P = self.page_size
@@ -174,7 +194,7 @@ class RadixCache(PrefixCache):
                 leaf.last_access = tick
                 node.children[tuple(leaf.key[:P])] = leaf
                 self._evictable += len(leaf.key)
-                if self.events is not None:
+                if self._hashing:
                     leaf.hashes = block_hashes(self._parent_hash(leaf), leaf.key, P)
                     self._stored(leaf, DEVICE)
                 if self.host is not None and self.host.write_through:
@@ -340,6 +360,7 @@ class RadixCache(PrefixCache):
         stack = [node]
         while stack:
             n = stack.pop()
+            self._spill(n)
             n.parent = None  # marks the handle stale for inc_lock_ref
             if n.host is not None:
                 self._host_held -= n.host.numel()
@@ -360,7 +381,66 @@ class RadixCache(PrefixCache):
         if copy is not None:
             self._host_held += copy.numel()
             self._stored(node, HOST)
+            self._spill(node, copy)  # the disk tier backs up what the host holds: a restart reads it
         return copy
+
+    def _spill(self, node: TreeNode, host_slots: torch.Tensor | None = None) -> None:
+        """A node's pages to the disk tier, from its host copy, or its device one (a device leaf
+        the host had no room for, just before it goes). Pages already there are not rewritten."""
+        host_slots = node.host if host_slots is None else host_slots
+        if self.disk is None or (host_slots is None and node.slots is None):
+            return
+        on_host = host_slots is not None
+        slots: torch.Tensor = host_slots if on_host else node.slots  # type: ignore[assignment]
+        P, parent = self.page_size, self._parent_hash(node)
+        for i, h in enumerate(node.hashes):
+            payload = self.host.page_payload(slots[i * P : (i + 1) * P], on_host)  # type: ignore[union-attr]
+            self.disk.put(h, parent, node.key[i * P : (i + 1) * P], payload)
+            parent = h
+
+    def _load_from_disk(self, node: TreeNode, key: list[int], pos: int) -> tuple[TreeNode, torch.Tensor | None]:
+        """Continue a match below device node `node` at key[pos:] with the disk tier's pages: as
+        many consecutive ones as it holds and the device has room for, as one new device node.
+        (the node and its slots; `node` and None when the disk holds none of them)."""
+        P = self.page_size
+        parent = node.hashes[-1] if node.hashes else None
+        pages = len(key[pos:]) // P
+        hashes = block_hashes(parent, key[pos : pos + pages * P], P)
+        found = 0
+        while found < len(hashes) and self.disk.has(hashes[found]):  # type: ignore[union-attr]
+            found += 1
+        if not found:
+            return node, None
+        self.inc_lock_ref(node)  # making room must not evict the prefix it extends
+        try:
+            short = found * P - self.allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            got = self.allocator.alloc_pages(min(found, self.allocator.available_size() // P))
+        finally:
+            self.dec_lock_ref(node)
+        if got is None or not got.numel():
+            return node, None
+        slots = (got[:, None] * P + torch.arange(P)).flatten().to(self.device)
+        loaded, prev = 0, parent
+        for i in range(got.numel()):
+            tokens = key[pos + i * P : pos + (i + 1) * P]
+            payload = self.disk.get(hashes[i], prev, tokens)  # type: ignore[union-attr]
+            if payload is None:
+                break
+            self.host.load_payload(payload, slots[i * P : (i + 1) * P])  # type: ignore[union-attr]
+            loaded, prev = loaded + 1, hashes[i]
+        if loaded < got.numel():
+            self.allocator.free(slots[loaded * P :])
+        if not loaded:
+            return node, None
+        n = loaded * P
+        leaf = self._new_node(list(key[pos : pos + n]), slots[:n], node)
+        leaf.hashes, leaf.last_access = hashes[:loaded], self._clock
+        node.children[tuple(leaf.key[:P])] = leaf
+        self._evictable += n
+        self._stored(leaf, DEVICE)
+        return leaf, leaf.slots
 
     # ---- events ------------------------------------------------------------------------
     def _parent_hash(self, node: TreeNode) -> int | None:
@@ -437,7 +517,7 @@ class RadixCache(PrefixCache):
             n = len(node.key)
             assert n > 0 and n % P == 0, f"edge of {n} tokens is not whole pages"
             assert node.slots is not None or node.host is not None, "a node with its KV in neither tier"
-            assert self.events is None or len(node.hashes) == n // P, "a node's block hashes are not one a page"
+            assert not self._hashing or len(node.hashes) == n // P, "a node's block hashes are not one a page"
             if node.host is not None:
                 assert self.host is not None and node.host.numel() == n, "a host copy of the wrong length"
                 host_slots.append(node.host)
@@ -481,10 +561,11 @@ def create_prefix_cache(
     page_size: int,
     host: HostTier | None = None,
     events: KVEventLog | None = None,
+    disk: DiskTier | None = None,
 ) -> PrefixCache:
     """RadixCache unless the radix cache is disabled (here, beside the one module that knows both)."""
     if disable_radix_cache:
-        if host is not None:
+        if host is not None or disk is not None:
             raise ValueError("the hierarchical cache is a tier of the radix cache: it needs the radix cache on")
         return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
-    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host, events)
+    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host, events, disk)

@@ -76,8 +76,11 @@ def _pool_state(sched: AdminView, idle: bool) -> dict[str, Any]:
 
 def _host_tier(sched: AdminView) -> dict[str, Any]:
     """The host tier's state (kvcache/host_tier.py), where there is one."""
-    host = getattr(sched.cache.tree, "host", None)
+    host, disk = getattr(sched.cache.tree, "host", None), getattr(sched.cache.tree, "disk", None)
     if host is None:
         return {}
-    return {"host_tier": {"capacity_tokens": host.capacity_tokens, "used_tokens": host.used_tokens(),
-                          "cached_tokens": sched.cache.tree.host_size(), **host.stats.as_dict()}}
+    out: dict[str, Any] = {"host_tier": {"capacity_tokens": host.capacity_tokens, "used_tokens": host.used_tokens(),
+                                         "cached_tokens": sched.cache.tree.host_size(), **host.stats.as_dict()}}
+    if disk is not None:
+        out["disk_tier"] = {"budget_bytes": disk.budget, "used_bytes": disk.used_bytes(), **disk.stats.as_dict()}
+    return out

@@ -21,6 +21,7 @@ from typing import Any
 
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
+from tandem.engine.kvcache.disk_tier import disk_tier
 from tandem.engine.kvcache.event_publisher import ZmqEventPublisher
 from tandem.engine.kvcache.host_tier import HostTier, host_tokens
 from tandem.engine.kvcache.kv_events import KVEventLog, KVEventsConfig
@@ -90,9 +91,10 @@ class Scheduler:
         if events.enabled and self.tp.leader:
             self.kv_event_log = KVEventLog(memory.kv_pool.page_size)
             self.kv_events = ZmqEventPublisher(events, dp_rank)
+        self.disk = disk_tier(config, runner, memory.kv_pool, host) if config.hicache_storage_backend else None
         tree = create_prefix_cache(
             config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size, host,
-            self.kv_event_log,
+            self.kv_event_log, self.disk,
         )
         # Overlap: a batch's results are processed while the next batch runs (cache_manager.py)
         self.cache = CacheManager(memory.req_table, memory.kv_pool, tree, hold_freed=config.enable_overlap)
@@ -330,6 +332,8 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammar.shutdown()
+        if self.disk is not None:
+            self.disk.close()
         if self.kv_events is not None:
             self.publish_kv_events()
             self.kv_events.close()

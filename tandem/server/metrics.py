@@ -34,6 +34,8 @@ class ServerMetrics:
                                      "the prefix cache (device or host tier)", registry=r)
         self.host_tier = Gauge(names.HOST_TIER, "host KV tier totals since start (written/loaded/dropped tokens "
                                "and bytes, load_seconds) and size (capacity_tokens, used_tokens)", ["stat"], registry=r)
+        self.disk_tier = Gauge(names.DISK_TIER, "disk KV tier totals since start (written, loaded, rejected and "
+                               "evicted pages) and size (used_bytes, budget_bytes)", ["stat"], registry=r)
         # PD (prefill and decode roles): the scheduler's running counts, summed over ranks.
         self.handshake_ok = Gauge(names.KV_HANDSHAKE_OK, "decode: 1 while a prefill handshake holds", registry=r)
         self.pd_events = Gauge(names.PD_EVENTS, "PD counts since start (handshakes, handshake_failures, "
@@ -68,9 +70,10 @@ class ServerMetrics:
             self.handshake_ok.set(1.0 if all(x["ready"] for x in pd) else 0.0)
         for key in sorted({k for x in pd for k, v in x.items() if isinstance(v, int) and not isinstance(v, bool)}):
             self.pd_events.labels(key).set(sum(x.get(key, 0) for x in pd))
-        tiers = [p["host_tier"] for p in pools if p.get("host_tier")]
-        for key in sorted({k for t in tiers for k in t}):
-            self.host_tier.labels(key).set(sum(t.get(key, 0) for t in tiers))
+        for gauge, name in ((self.host_tier, "host_tier"), (self.disk_tier, "disk_tier")):
+            tiers = [p[name] for p in pools if p.get(name)]
+            for key in sorted({k for t in tiers for k in t}):
+                gauge.labels(key).set(sum(t.get(key, 0) for t in tiers))
         if all(p["whole"] is not None for p in pools):
             self.pool_whole.set(1.0 if all(p["whole"] for p in pools) else 0.0)
         return generate_latest(self.registry)
