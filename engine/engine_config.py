@@ -11,8 +11,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.kvcache.kv_events import KVEventsConfig
 from tandem.engine.model_config import RunnerConfig
+from tandem.protocol.kv_events import KVEventsConfig
 from tandem.worker_contract import EngineYaml
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")

@@ -22,6 +22,8 @@ from tandem.router.config import RouterConfig
 from tandem.router.discovery import PodDiscovery
 from tandem.router.fast_path import FastPath
 from tandem.router.health import HealthChecker
+from tandem.router.kv_event_feed import EventFeed
+from tandem.router.kv_event_index import EventIndex
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import make_policy
 from tandem.router.proxy import Proxy, ProxyConfig
@@ -83,6 +85,18 @@ async def _learn_model_name(state: RouterState, client: httpx.AsyncClient, inter
     log.info("serving %r", state.model_name)
 
 
+def _event_feed(cfg: RouterConfig, policies: dict[str, Any], ws: WorkerSet) -> EventFeed | None:
+    """One subscription to the workers' KV events, shared by every kv_events policy."""
+    users = [p for p in policies.values() if p.name == "kv_events"]
+    if not users:
+        return None
+    index = EventIndex()
+    for p in users:
+        p.index = index
+    return EventFeed(index, ws, cfg.kv_events_port, cfg.kv_events_port_offset, cfg.kv_events_replay,
+                     cfg.kv_events_topic)
+
+
 def build_app(cfg: RouterConfig) -> Any:
     """The ASGI app uvicorn serves: the guard (keys, body size), then the proxied routes' fast
     path, then FastAPI for everything else. The fast path sits outside FastAPI so that a
@@ -97,6 +111,7 @@ def build_app(cfg: RouterConfig) -> Any:
             policies = {role: make_policy(name, threshold=cfg.cache_threshold, balance=cfg.balance)
                         for role, name in ((COLOCATED, cfg.policy), (PREFILL, cfg.prefill_policy),
                                            (DECODE, cfg.decode_policy))}
+            feed = _event_feed(cfg, policies, ws)
             proxy = Proxy(ProxyConfig(cfg.max_retries, local_prefill_threshold=cfg.local_prefill_threshold,
                                       pd=cfg.pd),
                           ws, policies, metrics, session,
@@ -110,6 +125,8 @@ def build_app(cfg: RouterConfig) -> Any:
                                 ClientLimit(cfg.max_requests_per_client), cfg.url_allow)
             app.state.router = state
             tasks = [asyncio.create_task(health.run())]
+            if feed is not None:
+                tasks.append(asyncio.create_task(feed.run()))
             if state.model_name is None:
                 tasks.append(asyncio.create_task(_learn_model_name(state, client, cfg.health_interval)))
             if cfg.selectors:

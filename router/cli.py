@@ -42,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-selector", default=None, help="Kubernetes: label selector of decode pods")
     for flag in ("--policy", "--prefill-policy", "--decode-policy"):
         p.add_argument(flag, choices=tuple(POLICIES), default=None)
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="policy kv_events: the port of each worker's KV events (its --kv-events-config endpoint)")
+    p.add_argument("--kv-events-port-offset", type=int, default=None,
+                   help="or: that port is the worker's HTTP port plus this (workers sharing a host)")
+    p.add_argument("--kv-events-replay", action="store_true", help="workers replay missed batches one port above")
+    p.add_argument("--kv-events-topic", default="", help="the workers' KV events topic")
     p.add_argument("--local-prefill-threshold", type=int, default=32)
     p.add_argument("--max-retries", type=int, default=2)
     p.add_argument("--max-inflight", type=int, default=4096,
@@ -118,7 +124,9 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         admin_key=_env(args.admin_key, ENV_ADMIN_KEY),
         admin_port=router_admin_port(args.port) if args.admin_port is None else args.admin_port,
         worker_api_key=_env(args.worker_api_key, ENV_WORKER_API_KEY), worker_url_allow=tuple(args.worker_url_allow),
-        stream_send_timeout=args.stream_send_timeout, max_requests_per_client=args.max_requests_per_client, **kw)
+        stream_send_timeout=args.stream_send_timeout, max_requests_per_client=args.max_requests_per_client,
+        kv_events_port=args.kv_events_port, kv_events_port_offset=args.kv_events_port_offset,
+        kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic, **kw)
 
 
 def _env(flag: str | None, name: str) -> str | None:

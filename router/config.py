@@ -52,11 +52,26 @@ class RouterConfig:
     # with none eligible (0: answer 503 at once), and how many requests may wait at once.
     capacity_wait: float = 60.0
     max_capacity_waiters: int = 1024
+    # The kv_events policy's subscription (router/kv_event_feed.py): each worker's KV events at
+    # tcp://<its host>:kv_events_port (pods), or at its HTTP port + kv_events_port_offset (workers
+    # sharing a host); with kv_events_replay, replays one port above (the workers' --kv-events-config).
+    kv_events_port: int | None = None
+    kv_events_port_offset: int | None = None
+    kv_events_replay: bool = False
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             if name not in POLICIES:
                 raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {name!r}")
+        if "kv_events" in (self.policy, self.prefill_policy, self.decode_policy) and (
+                (self.kv_events_port is None) == (self.kv_events_port_offset is None)):
+            raise ValueError("policy kv_events reads the workers' KV events: give --kv-events-port or "
+                             "--kv-events-port-offset (one of them)")
+        if self.kv_events_port is not None and not 1 <= self.kv_events_port <= 65534:
+            raise ValueError(f"--kv-events-port must be in 1..65534, got {self.kv_events_port}")
+        if self.kv_events_port_offset is not None and not -65535 < self.kv_events_port_offset < 65535:
+            raise ValueError("--kv-events-port-offset must be within -65534..65534")
         if self.capacity_wait < 0 or self.max_capacity_waiters < 0:
             raise ValueError("capacity_wait and max_capacity_waiters must be >= 0")
         if self.stream_send_timeout < 0 or self.max_requests_per_client < 0:

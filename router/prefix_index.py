@@ -29,6 +29,10 @@ class PrefixIndex:
         self.block, self.capacity = block, capacity
         self.trees: dict[str, OrderedDict[int, None]] = {}
 
+    def names(self, ids: Sequence[int]) -> list[int]:
+        """The prompt's block names (kv_event_index.py's EventIndex names them as workers do)."""
+        return block_names(ids, self.block)
+
     def insert(self, worker: str, names: Sequence[int]) -> None:
         tree = self.trees.setdefault(worker, OrderedDict())
         for n in reversed(names):  # leaf first: a path's parents are fresher than its leaves,

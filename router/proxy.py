@@ -41,7 +41,6 @@ from fastapi.responses import Response, StreamingResponse
 from tandem.router.capacity import CapacityWait
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policies import Policy
-from tandem.router.prefix_index import block_names
 from tandem.router.relay import relay
 from tandem.router.reported import error_message, output_tokens, prompt_tokens
 from tandem.router.upstream import Upstream, UpstreamError
@@ -180,8 +179,8 @@ class Proxy:
         (the best match over them, read without a pick)."""
         policy = self.policies[DECODE if DECODE in self.policies else COLOCATED]
         best = 0
-        if policy.name == "cache_aware":
-            names = block_names(job.ids, policy.index.block)
+        if policy.name in ("cache_aware", "kv_events"):
+            names = policy.index.names(job.ids)
             best = max(policy.index.match(d.url, names) for d in decodes) * policy.index.block
         return len(job.ids) - best > self.cfg.local_prefill_threshold
 
@@ -189,7 +188,7 @@ class Proxy:
         policy = self.policies[role if role in self.policies else COLOCATED]
         hits = policy.hits
         w, matched = policy.pick(pool, ids)
-        if policy.name == "cache_aware":
+        if policy.name in ("cache_aware", "kv_events"):
             (self.metrics.cache_hits if policy.hits > hits else self.metrics.cache_misses).inc()
             self.metrics.matched_tokens.inc(matched)
         return w, matched

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tandem.engine.kvcache.kv_events import KVEventsConfig
+from tandem.protocol.kv_events import KVEventsConfig
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -58,7 +58,7 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
-            if any(m in self.endpoint for m in ("*", "::")) or self.endpoint.startswith(("ipc://", "inproc://")):
+            if config.binds(self.endpoint):
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)

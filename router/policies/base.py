@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
+from tandem.router.kv_event_index import EventIndex
 from tandem.router.prefix_index import PrefixIndex
 from tandem.router.workers import Worker
 
@@ -17,7 +18,7 @@ class Policy(ABC):
     # such a policy (or in PD mode, which pairs a prefill with a decode by prefix).
     reads_tokens: ClassVar[bool] = False
 
-    def __init__(self, index: PrefixIndex | None = None, seed: int | None = None) -> None:
+    def __init__(self, index: PrefixIndex | EventIndex | None = None, seed: int | None = None) -> None:
         # What each worker is estimated to hold: cache_aware fills it, PD pairing reads it.
         self.index = index or PrefixIndex()
         self.rng = random.Random(seed)

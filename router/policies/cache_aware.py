@@ -9,8 +9,9 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tandem.router.kv_event_index import EventIndex
 from tandem.router.policies.base import Policy, least_tokens
-from tandem.router.prefix_index import PrefixIndex, block_names
+from tandem.router.prefix_index import PrefixIndex
 from tandem.router.workers import Worker
 
 HALF_LIFE = 16  # picks per worker in the pool: volumes follow the tenants there are now
@@ -107,7 +108,7 @@ class CacheAware(Policy):
     name = "cache_aware"
     reads_tokens = True
 
-    def __init__(self, index: PrefixIndex | None = None, threshold: float = 0.3, balance: float = 1.3,
+    def __init__(self, index: PrefixIndex | EventIndex | None = None, threshold: float = 0.3, balance: float = 1.3,
                  balance_abs: int = 4, volume_balance: float = 1.15, volume_slack: float = 3.0,
                  seed: int | None = None) -> None:
         super().__init__(index, seed)
@@ -122,7 +123,7 @@ class CacheAware(Policy):
 
     def pick(self, workers: Sequence[Worker], ids: Sequence[int]) -> tuple[Worker, int]:
         assert workers, "no eligible worker"  # invariant: Proxy._route picks only from a non-empty pool
-        names = block_names(ids, self.index.block)
+        names = self.index.names(ids)
         w = self._cache_aware(workers, names, len(ids))
         matched = self.index.match(w.url, names) * self.index.block if names else 0
         if names:
@@ -133,7 +134,7 @@ class CacheAware(Policy):
 
     def owners(self, ids: Sequence[int]) -> list[str]:
         """The workers this prompt's group lives on (cache_aware), sorted."""
-        key = self._key(block_names(ids, self.index.block), len(ids))[1]
+        key = self._key(self.index.names(ids), len(ids))[1]
         g = self.placement.group(key) if key is not None else None
         return sorted(g.owners) if g else []
 
@@ -208,3 +209,13 @@ class CacheAware(Policy):
         uncached = self._uncached[0] / max(1.0, self._uncached[1])  # per request, lately
         return excess > self.balance_abs and excess * uncached > 2 * cached_blocks * self.index.block
 
+
+class KVEventsAware(CacheAware):
+    """cache_aware's placement on what the workers report they hold (their KV events,
+    router/kv_event_index.py) instead of what the router estimates from what it sent them."""
+
+    name = "kv_events"
+
+    @classmethod
+    def configured(cls, *, threshold: float, balance: float, seed: int | None) -> CacheAware:
+        return cls(EventIndex(), threshold=threshold, balance=balance, seed=seed)

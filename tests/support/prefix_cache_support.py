@@ -8,6 +8,7 @@ import torch
 
 from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.engine.kvcache.host_tier import HostTier
+from tandem.engine.kvcache.kv_events import KVEventLog
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.kvcache.prefix_cache import PrefixCache
 from tandem.engine.kvcache.radix_cache import create_prefix_cache
@@ -63,9 +64,10 @@ class Env:
         return self.alloc.alloc_extend([prefix_len], [extend_len], [last_loc])
 
 
-def make_env(kind: str, page_size: int, num_pages: int = 64, host_pages: int = 16) -> Env:
+def make_env(kind: str, page_size: int, num_pages: int = 64, host_pages: int = 16, events: bool = False) -> Env:
     """kind: "radix", "none", or "tiered" (the radix cache over a host tier of `host_pages`,
-    write-back, so eviction writes and a match can load)."""
+    write-back, so eviction writes and a match can load); `events`: the cache logs KV events
+    (cache.events, a KVEventLog)."""
     pool = ReqToTokenPool(8, 64 * page_size, "cpu")
     host = None
     if kind == "tiered":
@@ -74,7 +76,8 @@ def make_env(kind: str, page_size: int, num_pages: int = 64, host_pages: int = 1
         host = HostTier(kv, host_pages * page_size, "write_back")
     else:
         alloc = PageAllocator(num_pages, page_size, "cpu")
-    cache = create_prefix_cache(kind == "none", pool, alloc, page_size, host)
+    log = KVEventLog(page_size) if events else None
+    cache = create_prefix_cache(kind == "none", pool, alloc, page_size, host, log)
     return Env(cache, alloc, pool, page_size, hits=kind != "none")
 
 
