@@ -2,6 +2,7 @@
 
     python bench/router.py overhead --rounds 3     # fake workers (bench/fake_worker.py)
     python bench/router.py cache --rounds 2        # 4 real tiny workers
+    python bench/router.py events --rounds 2       # cache_aware vs kv_events, 4 workers under eviction
 
 overhead: two fake workers (TTFT 20 ms, 16 tokens 5 ms apart). Sequential /generate
     requests straight to a worker and through each router, interleaved (direct, one router,
@@ -13,6 +14,12 @@ cache: a multi-tenant workload (8 tenants, each a ~600-token system prompt, then
     policy. Prefix-cache hit rate = cached prompt tokens / prompt tokens, from the workers'
     answers; load balance = max/min requests served per worker. The workers' caches are
     flushed before each router's turn.
+
+events: our router's cache_aware (its estimate of each worker's cache) against kv_events (the
+    workers' own KV events, router/kv_event_index.py), in front of the same 4 tiny workers
+    publishing events, with pools small enough (--pool tokens) that the tenants' prompts do not
+    all fit: an estimate then believes in prefixes the worker has evicted. 16 tenants, 192
+    requests, 8 at a time; the same hit rate and load balance as `cache`.
 
 Rounds alternate the routers; results go to docs/results/router_<experiment>.json.
 """
@@ -149,12 +156,12 @@ def overhead(args: argparse.Namespace) -> dict:
             "requests": args.requests, "load": args.load, "concurrency": args.concurrency}
 
 
-def _tenant_workload(seed: int) -> list[str]:
+def _tenant_workload(seed: int, tenants: int = 8, requests: int = 128) -> list[str]:
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(2000)]
-    systems = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(8)]
+    systems = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(tenants)]
     return [f"{rng.choice(systems)} question {i}: {' '.join(rng.choice(words) for _ in range(12))}"
-            for i in range(128)]
+            for i in range(requests)]
 
 
 def _served(w: Worker) -> float:
@@ -216,9 +223,68 @@ def cache(args: argparse.Namespace) -> dict:
             "sglang_args": args.sglang_args}
 
 
+def events(args: argparse.Namespace) -> dict:
+    offset = 3
+    workers = []
+    for _ in range(4):
+        port = free_port_for_offset(offset)
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "bind": True,
+                          "endpoint": f"tcp://127.0.0.1:{port + offset}",
+                          "replay_endpoint": f"tcp://127.0.0.1:{port + offset + 1}"})
+        workers.append(Worker.colocated(Path(args.model), "--max-total-tokens", str(args.pool), "--page-size", "16",
+                                        "--kv-events-config", cfg, port=port))
+    routers: dict[str, Worker] = {}
+    rows = []
+    try:
+        for w in workers:
+            w.wait_ready(600)
+        urls = [w.url for w in workers]
+        routers["cache_aware"] = _ours(args.model, urls, "cache_aware")[0]
+        routers["kv_events"] = Worker(["router", "--model", args.model, "--policy", "kv_events", "--workers", *urls,
+                                       "--kv-events-port-offset", str(offset), "--kv-events-replay",
+                                       "--log-level", "warning"]).wait_ready()
+        for r in range(args.rounds):
+            prompts = _tenant_workload(r, tenants=16, requests=192)
+            row: dict = {"round": r}
+            for name in list(routers)[:: 1 if r % 2 == 0 else -1]:
+                for w in workers:
+                    w.post("/flush_cache")
+                time.sleep(0.5)  # the flush's AllBlocksCleared reaches the kv_events router
+                before = [_served(w) for w in workers]
+                cached, total = asyncio.run(_run_tenants(routers[name].url, prompts))
+                served = [_served(w) - b for w, b in zip(workers, before)]
+                row[f"{name}_hit_rate"] = cached / total
+                row[f"{name}_max_min_load"] = max(served) / max(1.0, min(served))
+                row[f"{name}_served"] = served
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for w in [*routers.values(), *workers]:
+            w.stop()
+    keys = [k for k in rows[0] if k != "round" and not k.endswith("_served")]
+    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys}, "pool": args.pool}
+
+
+def free_port_for_offset(offset: int) -> int:
+    """A free port whose port + offset and + offset + 1 are free too (a worker's KV events)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        try:
+            for p in (port + offset, port + offset + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free ports")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["overhead", "cache"])
+    ap.add_argument("experiment", choices=["overhead", "cache", "events"])
+    ap.add_argument("--pool", type=int, default=2048, help="events: each worker's KV pool, in tokens")
     ap.add_argument("--model", default=None, help="model directory (its tokenizer; cache: the workers' model)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=200)
@@ -231,7 +297,7 @@ def main() -> None:
         from tandem.engine.modelgen.resolve import resolve_model
 
         args.model = str(resolve_model("tiny"))
-    result = overhead(args) if args.experiment == "overhead" else cache(args)
+    result = {"overhead": overhead, "cache": cache, "events": events}[args.experiment](args)
     out = Path(args.out) if args.out else ROOT / "docs/results" / f"router_{args.experiment}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["median"], indent=1))
