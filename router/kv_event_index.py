@@ -7,8 +7,10 @@ placement (policies/cache_aware.py) runs on it unchanged: the `kv_events` policy
 
 A worker's device tier is closed under parents (a block's parent is there too) and a host-only
 block's parent is on the device or the host, so holding a name means holding the prefix it ends:
-a binary search finds the match. Nothing is guessed and nothing is inserted at dispatch; the
-events arrive a scheduler step after the worker caches a block.
+a binary search finds the match. The events arrive a scheduler step or more after the worker
+caches a block, so what the router just sent a worker counts as held for `pending_s` seconds
+(`insert`), until the worker's own events confirm or contradict it: the next request of the same
+prefix, a moment later, follows the first.
 
 A batch is a worker's bytes: anything not of the expected shape or past the bounds is dropped and
 counted (`rejected`), never applied; a worker whose index grows past `capacity` blocks is
@@ -18,7 +20,8 @@ forgotten (it then matches nothing) rather than growing the router without bound
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -38,9 +41,11 @@ def _hashes(v: Any) -> list[int]:
 
 
 class EventIndex:
-    def __init__(self, block: int = 16, capacity: int = 1 << 22) -> None:
-        self.block, self.capacity = block, capacity
+    def __init__(self, block: int = 16, capacity: int = 1 << 22, pending_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.block, self.capacity, self.pending_s, self.clock = block, capacity, pending_s, clock
         self.held: dict[str, dict[str, set[int]]] = {}
+        self.pending: dict[str, dict[int, float]] = {}  # names sent, not yet reported: until when they count
         self.applied = self.rejected = 0
 
     # ---- PrefixIndex's interface -------------------------------------------------------
@@ -48,26 +53,37 @@ class EventIndex:
         return block_hashes(None, list(ids), self.block)
 
     def match(self, worker: str, names: Sequence[int]) -> int:
-        tiers = self.held.get(worker)
-        if not tiers or not names:
+        tiers = self.held.get(worker, {})
+        if not names or not (tiers or self.pending.get(worker)):
             return 0
         dev, host = tiers.get(DEVICE, set()), tiers.get(HOST, set())
+        sent, now = self.pending.get(worker, {}), self.clock()
         lo, hi = 0, len(names)  # invariant: names[:lo] held, names[hi:] not
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if names[mid - 1] in dev or names[mid - 1] in host:
+            n = names[mid - 1]
+            if n in dev or n in host or sent.get(n, 0.0) > now:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
     def insert(self, worker: str, names: Sequence[int]) -> None:
-        """Nothing: the worker's events say what it cached."""
+        """The router sent these to `worker`: held for pending_s, or until its events say."""
+        sent = self.pending.setdefault(worker, {})
+        until = self.clock() + self.pending_s
+        for n in names:
+            sent[n] = until
+        if len(sent) > self.capacity // 4:  # expired ones, trimmed only when many
+            now = self.clock()
+            self.pending[worker] = {n: t for n, t in sent.items() if t > now}
 
     def remove(self, worker: str) -> None:
         self.held.pop(worker, None)
+        self.pending.pop(worker, None)
 
     def size(self, worker: str) -> int:
+        """Blocks the worker reported it holds (pending ones aside)."""
         return sum(len(s) for s in self.held.get(worker, {}).values())
 
     # ---- events --------------------------------------------------------------------------
@@ -81,16 +97,22 @@ class EventIndex:
             log.warning("kv events from %s: batch dropped: %s", worker, str(e)[:200])
             return False
         tiers = self.held.setdefault(worker, {m: set() for m in _MEDIA})
+        sent = self.pending.get(worker, {})
         for ev in events:
             if ev[0] == "AllBlocksCleared":
                 for s in tiers.values():
                     s.clear()
+                sent.clear()
             elif ev[0] == "BlockStored":
                 tiers[ev[6] or DEVICE].update(ev[1])
+                for h in ev[1]:
+                    sent.pop(h, None)  # reported: the events say from now on
                 if ev[4] != self.block:
                     self.block = ev[4]  # the workers' page size: names() must cut pages alike
             else:
                 tiers[ev[2] or DEVICE].difference_update(ev[1])
+                for h in ev[1]:
+                    sent.pop(h, None)
         if self.size(worker) > self.capacity:
             log.warning("kv events from %s: over %d blocks; its index is dropped", worker, self.capacity)
             self.held.pop(worker, None)
@@ -100,6 +122,7 @@ class EventIndex:
     def clear(self, worker: str) -> None:
         """The worker's stream broke (a gap no replay filled): what it holds is unknown again."""
         self.held.pop(worker, None)
+        self.pending.pop(worker, None)
 
     @staticmethod
     def _check(batch: Any) -> list[list[Any]]:

@@ -155,3 +155,21 @@ def test_behind_the_router_a_tenant_follows_its_cache(model_path) -> None:
         assert cached / total > 0.8, (cached, total)
         for w in workers:
             assert w.pool()["whole"], w.output()
+
+
+def test_what_was_just_sent_counts_until_the_worker_reports() -> None:
+    """A prefix routed a moment ago counts as held (the worker's events lag a step) until its
+    events confirm or contradict it, or pending_s passes."""
+    now = [0.0]
+    index = EventIndex(block=16, pending_s=2.0, clock=lambda: now[0])
+    names = index.names(list(range(64)))
+    index.insert("w", names)
+    assert index.match("w", names) == 4
+    index.apply("w", encode([1.0, [["BlockRemoved", names[2:], "GPU"]], 0]))  # the worker says: not those
+    assert index.match("w", names) == 2
+    now[0] = 3.0
+    assert index.match("w", names) == 0  # never reported: forgotten
+    index.insert("w", names)
+    index.apply("w", encode([1.0, [["BlockStored", names, None, list(range(64)), 16, None, "GPU", None]], 0]))
+    now[0] = 10.0
+    assert index.match("w", names) == 4 and not index.pending["w"]  # reported: the events hold it now
