@@ -151,3 +151,41 @@ def test_the_disk_tier_needs_the_host_tier(engine, tmp_path: Path) -> None:
         engine(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="must be file"):
         engine(enable_hierarchical_cache=True, hicache_storage_backend="s3")
+
+
+def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path) -> None:
+    """`tandem serve` with the disk tier, SIGKILLed while requests (and so disk writes) are in
+    flight, restarts on the same directory: it starts, answers as a worker without tiers does,
+    and its pools are whole; whatever the kill left half-written is never loaded."""
+    import concurrent.futures as cf
+    import os
+    import signal
+
+    import httpx
+    from worker_process import Worker, running
+
+    model = model_path("tiny")
+    flags = ("--max-total-tokens", "96", "--page-size", "4", "--enable-hierarchical-cache", "--hicache-ratio", "1",
+             "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path))
+    texts = [f"prompt number {i} " * 12 for i in range(12)]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = Worker.colocated(model, *flags).wait_ready()
+    try:
+        with cf.ThreadPoolExecutor(4) as ex:
+            futures = [ex.submit(httpx.post, first.url + "/generate", json={"text": t, "sampling_params": sp},
+                                 timeout=60) for t in texts]
+            first.wait_running(1)
+            os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its schedulers, mid-traffic
+            cf.wait(futures)
+    finally:
+        first.stop()
+    plain = Worker.colocated(model, "--max-total-tokens", "96", "--page-size", "4")
+    again = Worker.colocated(model, *flags)
+    with running(plain, again):
+        for t in texts * 2:
+            body = {"text": t, "sampling_params": sp}
+            assert again.post("/generate", body).json()["output_ids"] == plain.post("/generate", body).json()[
+                "output_ids"]
+        assert again.pool()["whole"], again.output()
+        assert again.pool()["ranks"][0]["disk_tier"]["written_pages"] > 0
+    assert not list(tmp_path.rglob("*.tmp"))  # the killed writer's temporaries went at the restart
