@@ -225,14 +225,8 @@ def cache(args: argparse.Namespace) -> dict:
 
 def events(args: argparse.Namespace) -> dict:
     offset = 3
-    workers = []
-    for _ in range(4):
-        port = free_port_for_offset(offset)
-        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "bind": True,
-                          "endpoint": f"tcp://127.0.0.1:{port + offset}",
-                          "replay_endpoint": f"tcp://127.0.0.1:{port + offset + 1}"})
-        workers.append(Worker.colocated(Path(args.model), "--max-total-tokens", str(args.pool), "--page-size", "16",
-                                        "--kv-events-config", cfg, port=port))
+    workers = [Worker.publishing_kv_events(Path(args.model), "--max-total-tokens", str(args.pool), "--page-size",
+                                           "16", offset=offset) for _ in range(4)]
     routers: dict[str, Worker] = {}
     rows = []
     try:
@@ -263,22 +257,6 @@ def events(args: argparse.Namespace) -> dict:
             w.stop()
     keys = [k for k in rows[0] if k != "round" and not k.endswith("_served")]
     return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys}, "pool": args.pool}
-
-
-def free_port_for_offset(offset: int) -> int:
-    """A free port whose port + offset and + offset + 1 are free too (a worker's KV events)."""
-    import socket
-
-    for _ in range(50):
-        port = free_port()
-        try:
-            for p in (port + offset, port + offset + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free ports")
 
 
 def main() -> None:

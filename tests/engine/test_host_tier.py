@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from prefix_cache_support import Env, admit, finish, insert_owned, make_env, seq
+from prefix_cache_support import Env, finish, insert_owned, make_env, random_step, seq
 
 from tandem.engine.kvcache.host_tier import HostTier, host_tokens
 
@@ -127,18 +127,7 @@ def test_random_traffic_keeps_both_pools_whole() -> None:
     rng = random.Random(7)
     env = make_env("tiered", 2, num_pages=24, host_pages=10)
     for _ in range(300):
-        op = rng.random()
-        if op < 0.45 and len(env.running) < 6:
-            prompt = seq(env, *[rng.randrange(4) for _ in range(rng.randrange(1, 5))]) + [rng.randrange(9)]
-            match = env.cache.match_and_load(prompt[:-1])
-            env.cache.inc_lock_ref(match.last_node)  # admission locks what it matched
-            env.cache.dec_lock_ref(match.last_node)
-            admit(env, prompt, len(prompt))
-        elif op < 0.8 and env.running:
-            finish(env, rng.choice(env.running))
-            env.pool.reclaim()  # a freed row is held until the step that could use it is done
-        else:
-            env.cache.evict(rng.randrange(1, 8))
+        random_step(env, rng)
         env.check()
     while env.running:
         finish(env, env.running[0])

@@ -12,7 +12,7 @@ import socket
 import msgspec
 import pytest
 import zmq
-from prefix_cache_support import admit, finish, make_env, seq
+from prefix_cache_support import make_env, random_step
 from vllm_kv_events import AllBlocksCleared, BlockStored, Index, KVEventBatch, decode_batch
 
 from tandem.engine.kvcache.kv_events import DEVICE, HOST, KVEventsConfig, block_hashes
@@ -61,18 +61,7 @@ def test_the_events_rebuild_the_cache_after_every_step(kind: str) -> None:
     index, encode = Index(), msgspec.msgpack.Encoder().encode
     seen = {DEVICE: 0, HOST: 0}  # the most blocks each tier held at once: the check is not of two empty sets
     for step in range(250):
-        op = rng.random()
-        if op < 0.45 and len(env.running) < 6:
-            prompt = seq(env, *[rng.randrange(4) for _ in range(rng.randrange(1, 5))]) + [rng.randrange(9)]
-            env.cache.match_and_load(prompt[:-1])
-            admit(env, prompt, len(prompt))
-        elif op < 0.8 and env.running:
-            finish(env, rng.choice(env.running))
-            env.pool.reclaim()
-        elif op < 0.97:
-            env.cache.evict(rng.randrange(1, 8))
-        elif not env.running:
-            env.cache.reset()
+        random_step(env, rng, reset=True)
         batch = log.drain(dp_rank=0)
         if batch is not None:
             index.apply(decode_batch(encode(batch)))

@@ -6,9 +6,7 @@ tenant's requests go."""
 
 from __future__ import annotations
 
-import json
 import random
-import socket
 
 import httpx
 import msgspec
@@ -17,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
-from prefix_cache_support import admit, finish, make_env, seq  # noqa: E402
+from prefix_cache_support import make_env, random_step, seq  # noqa: E402
 from worker_process import Worker, running  # noqa: E402
 
 from tandem.router.kv_event_index import EventIndex  # noqa: E402
@@ -53,16 +51,7 @@ def test_the_index_matches_the_cache_it_hears_from() -> None:
     index = EventIndex(block=2)
     hits = 0
     for _ in range(200):
-        op = rng.random()
-        if op < 0.45 and len(env.running) < 6:
-            prompt = seq(env, *[rng.randrange(4) for _ in range(rng.randrange(1, 5))]) + [rng.randrange(9)]
-            env.cache.match_and_load(prompt[:-1])
-            admit(env, prompt, len(prompt))
-        elif op < 0.8 and env.running:
-            finish(env, rng.choice(env.running))
-            env.pool.reclaim()
-        else:
-            env.cache.evict(rng.randrange(1, 8))
+        random_step(env, rng)
         batch = log.drain(dp_rank=0)
         if batch is not None:
             assert index.apply("w", encode(batch))
@@ -110,34 +99,12 @@ def test_the_policy_sends_a_prompt_where_its_prefix_is() -> None:
     assert w is pool[2] and matched == 64
 
 
-def _ports_for_offset(offset: int) -> int:
-    """An HTTP port whose port + offset and + offset + 1 are free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for p in (port, port + offset, port + offset + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free ports")
-
-
 def test_behind_the_router_a_tenant_follows_its_cache(model_path) -> None:
     """Two workers publishing KV events, the router on `--policy kv_events`: four tenants, each a
     long shared prefix, six requests each; after a tenant's first request its others find their
     prefix cached, so the router placed them by what the workers report."""
     model, offset = model_path("tiny"), 3
-    workers = []
-    for _ in range(2):
-        port = _ports_for_offset(offset)
-        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "bind": True,
-                          "endpoint": f"tcp://127.0.0.1:{port + offset}",
-                          "replay_endpoint": f"tcp://127.0.0.1:{port + offset + 1}"})
-        workers.append(Worker.colocated(model, "--kv-events-config", cfg, "--page-size", "16", port=port))
+    workers = [Worker.publishing_kv_events(model, "--page-size", "16", offset=offset) for _ in range(2)]
     router = Worker.router(model, "--policy", "kv_events", "--kv-events-port-offset", str(offset),
                            "--kv-events-replay", workers=workers)
     tenants = [" ".join(f"tenant{t} rule {i}." for i in range(60)) for t in range(4)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -127,3 +128,21 @@ def finish(env: Env, req: FakeReq) -> None:
 
 
 # ---- matching and insertion ---------------------------------------------------------------
+
+
+def random_step(env: Env, rng: random.Random, reset: bool = False) -> None:
+    """One step of random traffic over four shared page prefixes: admit a request (its prefix
+    matched and loaded from lower tiers, as admission does), finish one, evict, or with `reset`
+    drop the whole cache when nothing runs."""
+    op = rng.random()
+    if op < 0.45 and len(env.running) < 6:
+        prompt = seq(env, *[rng.randrange(4) for _ in range(rng.randrange(1, 5))]) + [rng.randrange(9)]
+        env.cache.match_and_load(prompt[:-1])
+        admit(env, prompt, len(prompt))
+    elif op < 0.8 and env.running:
+        finish(env, rng.choice(env.running))
+        env.pool.reclaim()  # a freed row is held until the step that could use it is done
+    elif op < 0.97 or not reset:
+        env.cache.evict(rng.randrange(1, 8))
+    elif not env.running:
+        env.cache.reset()

@@ -5,8 +5,10 @@ SIGKILL) and its log is shown when a test fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,20 @@ def sglang_router(*args: str, timeout: float = 60) -> tuple[subprocess.Popen, st
     return proc, url
 
 
+def free_port_for_offset(offset: int) -> int:
+    """A free port whose port + offset and + offset + 1 are free too."""
+    for _ in range(50):
+        port = free_port()
+        try:
+            for p in (port + offset, port + offset + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free ports")
+
+
 class Worker:
     def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None, port: int | None = None,
                  api_key: str | None = None) -> None:
@@ -81,6 +97,16 @@ class Worker:
     @classmethod
     def colocated(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
         return cls(cls.colocated_argv(model, *flags, name=name), **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def publishing_kv_events(cls, model: Path, *flags: str, offset: int = 3, name: str = "tiny") -> Worker:
+        """A colocated worker publishing KV events on 127.0.0.1 at its HTTP port + `offset`, replays
+        one port above (what `tandem router --kv-events-port-offset OFFSET --kv-events-replay` reads)."""
+        port = free_port_for_offset(offset)
+        cfg = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "bind": True,
+                          "endpoint": f"tcp://127.0.0.1:{port + offset}",
+                          "replay_endpoint": f"tcp://127.0.0.1:{port + offset + 1}"})
+        return cls.colocated(model, "--kv-events-config", cfg, *flags, name=name, port=port)
 
     @classmethod
     def prefill(cls, model: Path, *flags: str, name: str = "tiny", **kw: object) -> Worker:
