@@ -188,6 +188,19 @@ async def _run_tenants(url: str, prompts: list[str]) -> tuple[int, int]:
         return cached, total
 
 
+def _tenant_turn(name: str, url: str, workers: list[Worker], prompts: list[str], settle: float = 0.0) -> dict:
+    """One router's turn on cold workers: its hit rate and max/min requests served. `settle`:
+    a pause after the flush (a kv_events router hears of it a moment later)."""
+    for w in workers:
+        w.post("/flush_cache")
+    time.sleep(settle)
+    before = [_served(w) for w in workers]
+    cached, total = asyncio.run(_run_tenants(url, prompts))
+    served = [_served(w) - b for w, b in zip(workers, before)]
+    return {f"{name}_hit_rate": cached / total, f"{name}_max_min_load": max(served) / max(1.0, min(served)),
+            f"{name}_served": served}
+
+
 def cache(args: argparse.Namespace) -> dict:
     workers = [Worker.colocated(Path(args.model), "--max-total-tokens", "16384") for _ in range(4)]
     rows = []
@@ -201,14 +214,7 @@ def cache(args: argparse.Namespace) -> dict:
                 prompts = _tenant_workload(r)
                 row: dict = {"round": r}
                 for name, url in [("tandem", ours_url), ("sglang", sgl_url)][:: 1 if r % 2 == 0 else -1]:
-                    for w in workers:
-                        w.post("/flush_cache")
-                    before = [_served(w) for w in workers]
-                    cached, total = asyncio.run(_run_tenants(url, prompts))
-                    served = [_served(w) - b for w, b in zip(workers, before)]
-                    row[f"{name}_hit_rate"] = cached / total
-                    row[f"{name}_max_min_load"] = max(served) / max(1.0, min(served))
-                    row[f"{name}_served"] = served
+                    row |= _tenant_turn(name, url, workers, prompts)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -241,15 +247,7 @@ def events(args: argparse.Namespace) -> dict:
             prompts = _tenant_workload(r, tenants=16, requests=192)
             row: dict = {"round": r}
             for name in list(routers)[:: 1 if r % 2 == 0 else -1]:
-                for w in workers:
-                    w.post("/flush_cache")
-                time.sleep(0.5)  # the flush's AllBlocksCleared reaches the kv_events router
-                before = [_served(w) for w in workers]
-                cached, total = asyncio.run(_run_tenants(routers[name].url, prompts))
-                served = [_served(w) - b for w, b in zip(workers, before)]
-                row[f"{name}_hit_rate"] = cached / total
-                row[f"{name}_max_min_load"] = max(served) / max(1.0, min(served))
-                row[f"{name}_served"] = served
+                row |= _tenant_turn(name, routers[name].url, workers, prompts, settle=0.5)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
