@@ -174,7 +174,7 @@ class DiskTier:
         body = header + payload
         data = MAGIC + _LEN.pack(len(header)) + body + zlib.crc32(body).to_bytes(4, "little")
         path = self._path(h)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # DP ranks share a dir
         try:
             self._fit(len(data))
             tmp.write_bytes(data)

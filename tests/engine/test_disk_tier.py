@@ -151,6 +151,8 @@ def test_the_disk_tier_needs_the_host_tier(engine, tmp_path: Path) -> None:
         engine(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="must be file"):
         engine(enable_hierarchical_cache=True, hicache_storage_backend="s3")
+    with pytest.raises(ValueError, match="runs at tp_size 1"):
+        engine(enable_hierarchical_cache=True, hicache_storage_backend="file", tp_size=2)
 
 
 def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path) -> None:
