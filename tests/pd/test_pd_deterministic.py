@@ -95,6 +95,7 @@ def test_a_decode_not_in_the_mode_is_refused_at_the_handshake(stack, model_path)
     try:
         wait_until(lambda: "handshake refused: mismatch in deterministic" in bad.output(), 120,
                    "the decode's refused handshake", interval=0.2)
+        bad.wait_listening()
         p, d = pd_post(pre, bad, "/generate", _body("mismatch"))
         assert d.status_code == 503 and "deterministic" in d.json()["error"]["message"], d.text
         assert bad.pool()["whole"], bad.output()

@@ -36,6 +36,7 @@ def test_fp8_pages_cross_and_a_bf16_pool_is_refused(model_path, tmp_path) -> Non
         try:
             wait_until(lambda: "handshake refused: mismatch in dtype" in plain.output(), 120,
                        "the plain decode's refused handshake", interval=0.2)
+            plain.wait_listening()
             _, d = pd_post(pre, plain, "/generate", {"text": PROMPTS[1], "sampling_params": SP})
             assert d.status_code == 503 and "dtype" in d.json()["error"]["message"], d.text
             assert plain.pool()["whole"], plain.output()

@@ -142,6 +142,21 @@ class Worker:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
+    def wait_listening(self, timeout: float = 120) -> Worker:
+        """Until its HTTP port answers at all (a decode whose handshake was refused is never
+        ready, but it serves, with 503s): its log can say the refusal before it listens."""
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                httpx.get(self.url + contract.READY_PATH, timeout=2)
+                return True
+            except httpx.TransportError:
+                return False
+
+        wait_until(answers, timeout, f"{self.url} listening", interval=0.1)
+        return self
+
     def wait_ready(self, timeout: float = 180) -> Worker:
         def ready() -> bool:
             if self.proc.poll() is not None:
