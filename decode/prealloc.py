@@ -26,7 +26,12 @@ def reserve_room(host: Host, slots: FirstTokenSlots, staging: ScatterStaging, pl
             + min(req.sampling_params.max_new_tokens, cfg.clip_max_new_tokens) * host.new_token_ratio)
     if host.kv_headroom() < need or not slots.free or cache.free_rows() == 0:
         return False
+    # Locking the matched prefix takes it out of the evictable pool the headroom counted (a prefix
+    # the host tier just loaded back is all of that): check again with the lock held.
     cache.lock(req.last_node)
+    if host.kv_headroom() < need:
+        cache.unlock(req.last_node)
+        return False
     taken = cache.alloc_extend([req])
     inc.slot = slots.alloc()
     inc.pages = (taken[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page

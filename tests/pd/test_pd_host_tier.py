@@ -1,9 +1,13 @@
 """PD with the host tier on decode: decode's prefix reuse counts what its host tier holds. A
 second turn whose first turn the small decode pool evicted is loaded back from decode's host
 tier before the room's transfer, so prefill sends only the new pages; the answers equal a
-colocated worker's. Pools (device and host) whole after."""
+colocated worker's. Second turns arriving together, each loading its prefix while the others
+hold room, are admitted as room allows (a loaded prefix, once locked, is no longer evictable
+room: `tandem up` crashed a decode on exactly that). Pools (device and host) whole after."""
 
 from __future__ import annotations
+
+import concurrent.futures as cf
 
 import pytest
 from pd_client import pd_generate, pd_stats
@@ -38,5 +42,10 @@ def test_decode_reuses_what_its_host_tier_holds(model_path) -> None:
         assert sent < before[0] / 2  # only the new tokens' pages moved
         host = dec.pool()["ranks"][0]["host_tier"]
         assert host["loaded_tokens"] > 0 and host["written_tokens"] > 0, host
+        thirds = [c + " and a follow-up question, then a third one" for c in chats]
+        with cf.ThreadPoolExecutor(6) as ex:  # all at once: prealloc under pressure, prefixes loading
+            got = list(ex.map(lambda t: pd_generate(pre, dec, {"text": t, "sampling_params": SP})["output_ids"],
+                              thirds))
+        assert got == [col.post("/generate", {"text": t, "sampling_params": SP}).json()["output_ids"] for t in thirds]
         for w in (pre, dec, col):
             assert w.pool()["whole"], w.output()
