@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.engine_config import HICACHE_WRITE_POLICIES
 from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 
-WRITE_POLICIES = ("write_through", "write_back")  # as engine_config.HICACHE_WRITE_POLICIES (torch-free there)
+WRITE_POLICIES = HICACHE_WRITE_POLICIES  # named beside the flag (engine_config.py), read here
 
 
 @dataclass
