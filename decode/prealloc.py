@@ -33,6 +33,7 @@ def reserve_room(host: Host, slots: FirstTokenSlots, staging: ScatterStaging, pl
         cache.unlock(req.last_node)
         return False
     taken = cache.alloc_extend([req])
+    cache.settle_copies()  # the transfer writes these pages, and the prefix loaded back must be in
     inc.slot = slots.alloc()
     inc.pages = (taken[::P] // P).tolist()  # skip is page-aligned: slot 0 starts a page
     inc.staging = staging.reserve(plan, len(inc.pages))

@@ -171,11 +171,6 @@ class EngineConfig:
             raise ValueError("KV events describe the radix cache: drop disable_radix_cache to publish them")
         if self.hicache_storage_backend not in (None, "file"):
             raise ValueError(f"hicache_storage_backend must be file (or unset), got {self.hicache_storage_backend!r}")
-        if self.hicache_storage_backend and self.tp_size > 1:
-            # A page's file lands when each rank's writer gets to it: a match on rank 0 could load a
-            # page rank 1 does not see yet, and the ranks would schedule apart.
-            raise ValueError("hicache_storage_backend runs at tp_size 1 in this release: the ranks' disk tiers "
-                             "are not kept in step")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_backend is a tier under the host tier: add enable_hierarchical_cache")
         if not 0 < self.hicache_storage_size <= 1 << 20:

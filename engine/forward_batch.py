@@ -46,6 +46,7 @@ class ForwardBatch:
     num_extend_reqs: int
     logits_indices: torch.Tensor  # (batch,) int64: last new token of each request
     attn_metadata: Any = field(default=None, repr=False)
+    kv_ready: Any = field(default=None, repr=False)  # KV-tier copies to wait for, by layer (tier_copies.py)
 
     @property
     def batch_size(self) -> int:

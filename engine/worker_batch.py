@@ -9,6 +9,7 @@ types to hand a batch over.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,3 +33,6 @@ class ModelWorkerBatch:
     # The rows' vocabulary mask when any request is constrained (filled by the scheduler,
     # applied by the forward thread before sampling: engine/grammar/batch_mask.py).
     grammar: BatchMask | None = None
+    # The KV-tier copies launched with this batch (kvcache/tier_copies.py): its forward waits for
+    # each layer of them before touching that layer's KV. None when none are in flight.
+    kv_ready: Any = None

@@ -11,21 +11,23 @@ The tier owns its pool and its page allocator; the radix cache owns which node h
 host pages (radix_cache.py: a node is on the device, on the host, or on both). Pages move as
 whole pages, every layer's K and V at once, as bytes (so an fp8 pool moves as it is).
 
-On CPU the host pool is a second pool in the same memory: every path runs and is tested here.
-On CUDA it is pinned, and a copy waits for the device (it is synchronous in this release; the
-issue's copy stream and layer-by-layer load are the next step, docs/engine.md).
+Every copy is queued on the tier's TierCopies (tier_copies.py) and runs off the scheduler's
+thread, layer by layer, when the next batch launches; that batch's forward waits for each layer
+before touching it. On CPU the host pool is a second pool in the same memory and a thread copies:
+every path runs and is tested here. On CUDA it is pinned, and a side stream copies.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.engine.engine_config import HICACHE_WRITE_POLICIES
 from tandem.engine.kvcache.allocator import PageAllocator
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
+from tandem.engine.kvcache.tier_copies import CopyJob, CopyOp, TierCopies, from_payloads, staging, tier_copies
 
 WRITE_POLICIES = HICACHE_WRITE_POLICIES  # named beside the flag (engine_config.py), read here
 
@@ -37,14 +39,19 @@ class TierStats:
     written_tokens: int = 0  # device -> host
     loaded_tokens: int = 0  # host -> device (each a prefill token saved)
     dropped_tokens: int = 0  # host pages freed to make room (LRU)
-    load_seconds: float = 0.0  # time matches spent loading: what a step stalled for
-    write_seconds: float = 0.0
     bytes_per_token: int = 0
+    copies: TierCopies | None = field(default=None, repr=False)  # its copy times and stalls
 
     def as_dict(self) -> dict[str, float | int]:
+        c = self.copies
+        seconds = c.seconds if c is not None else {}
         return {"written_tokens": self.written_tokens, "loaded_tokens": self.loaded_tokens,
-                "dropped_tokens": self.dropped_tokens, "load_seconds": round(self.load_seconds, 6),
-                "write_seconds": round(self.write_seconds, 6),
+                "dropped_tokens": self.dropped_tokens,
+                # the copier's time each way (off the scheduler's thread), and what forwards
+                # waited for a layer still loading: the stall the layer-by-layer load leaves
+                "load_seconds": round(seconds.get("load", 0.0), 6),
+                "write_seconds": round(seconds.get("write", 0.0) + seconds.get("spill", 0.0), 6),
+                "stall_seconds": round(c.stall_seconds if c is not None else 0.0, 6),
                 "written_bytes": self.written_tokens * self.bytes_per_token,
                 "loaded_bytes": self.loaded_tokens * self.bytes_per_token}
 
@@ -72,7 +79,12 @@ class HostTier:
         self.buffer = torch.empty((L, two, pages * P, *dev.shape[3:]), dtype=dev.dtype, device="cpu",
                                   pin_memory=dev.device.type == "cuda")
         self.allocator = PageAllocator(pages, P, "cpu")
-        self.stats = TierStats(bytes_per_token=device_pool.bytes_per_token())
+        self.layers = L
+        self.pinned = dev.device.type == "cuda"
+        self.copies = tier_copies(L, dev.device)
+        self.stats = TierStats(bytes_per_token=device_pool.bytes_per_token(), copies=self.copies)
+        self._dev_pages = self._pages(dev)
+        self._host_pages = self._pages(self.buffer)
 
     @property
     def capacity_tokens(self) -> int:
@@ -81,7 +93,7 @@ class HostTier:
     def used_tokens(self) -> int:
         return self.capacity_tokens - self.allocator.available_size()
 
-    # ---- copies ----------------------------------------------------------------------
+    # ---- copies (queued: tier_copies.py) ---------------------------------------------------
     def write(self, dev_slots: torch.Tensor) -> torch.Tensor | None:
         """Copy these whole device pages into new host pages; their host slots, or None when
         the host pool has no room (the caller frees host pages first)."""
@@ -89,39 +101,48 @@ class HostTier:
         pages = self.allocator.alloc_pages(n)
         if pages is None:
             return None
-        t = time.perf_counter()
-        self._pages(self.buffer)[:, :, pages] = self._pages(self.device_pool.kv_buffer)[:, :, self._page_ids(
-            dev_slots)].to("cpu")
-        self.stats.write_seconds += time.perf_counter() - t
+        self.copies.add(CopyOp(self._dev_pages, self._page_ids(dev_slots).tolist(), self._host_pages,
+                               pages.tolist(), "write"))
         self.stats.written_tokens += n * self.page_size
         return self._slots(pages)
 
     def load(self, host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None:
         """Copy host pages back into device pages the caller allocated."""
-        t = time.perf_counter()
-        dev = self._pages(self.device_pool.kv_buffer)
-        dev[:, :, self._page_ids(dev_slots).to(dev.device)] = self._pages(self.buffer)[
-            :, :, self._page_ids(host_slots)].to(dev.device)
-        self.stats.load_seconds += time.perf_counter() - t
+        self.copies.add(CopyOp(self._host_pages, self._page_ids(host_slots).tolist(), self._dev_pages,
+                               self._page_ids(dev_slots).tolist(), "load"))
         self.stats.loaded_tokens += host_slots.numel()
 
-    # ---- a page as bytes (the disk tier, disk_tier.py) -------------------------------------
+    def launch(self) -> CopyJob | None:
+        """Start the queued copies; what a forward launched now waits on, layer by layer."""
+        return self.copies.launch()
+
+    def drain(self) -> None:
+        """Every queued copy done: the device pages are the caller's to hand on."""
+        self.copies.drain()
+
+    def close(self) -> None:
+        self.copies.close()
+
+    # ---- pages as bytes (the disk tier, disk_tier.py) ---------------------------------------
     @property
     def page_bytes(self) -> int:
         return self.stats.bytes_per_token * self.page_size
 
-    def page_payload(self, slots: torch.Tensor, on_host: bool) -> bytes:
-        """One page's K and V of every layer, from the host pool or the device pool."""
-        buf = self.buffer if on_host else self.device_pool.kv_buffer
-        page = int(self._page_ids(slots)[0])
-        return self._pages(buf)[:, :, page].to("cpu").contiguous().numpy().tobytes()
+    def spill(self, slots: torch.Tensor, on_host: bool, put: Callable[[list[bytes]], None]) -> None:
+        """Queue a copy of these pages (from the host pool, or the device pool) to a staging
+        buffer; `put` gets each page's bytes (every layer's K and V) once it is done."""
+        n = slots.numel() // self.page_size
+        buf = staging(self.layers, n, self._dev_pages.shape[-1], self.pinned)
+        src = self._host_pages if on_host else self._dev_pages
+        self.copies.add(CopyOp(src, self._page_ids(slots).tolist(), buf, list(range(n)), "spill",
+                               then=lambda: put([buf[:, :, i].contiguous().numpy().tobytes() for i in range(n)])))
 
-    def load_payload(self, payload: bytes, dev_slots: torch.Tensor) -> None:
-        """Write one page's bytes (page_payload's) into the device page holding `dev_slots`."""
-        dev = self._pages(self.device_pool.kv_buffer)
-        page = int(self._page_ids(dev_slots)[0])
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dev.shape[0], dev.shape[1], -1)
-        dev[:, :, page] = src.to(dev.device)
+    def load_payloads(self, payloads: Sequence[bytes], dev_slots: torch.Tensor) -> None:
+        """Queue page payloads (spill's bytes, from the disk tier) into the device pages holding
+        `dev_slots`, one page each."""
+        buf = from_payloads(payloads, self.layers, self.pinned)
+        self.copies.add(CopyOp(buf, list(range(len(payloads))), self._dev_pages,
+                               self._page_ids(dev_slots).tolist(), "load"))
 
     def free(self, host_slots: torch.Tensor, dropped: bool = True) -> None:
         self.allocator.free(host_slots)

@@ -83,6 +83,17 @@ class PrefixCache(ABC):
         result's slots are on the device and unlocked, as match_prefix's."""
         return self.match_prefix(token_ids)
 
+    def launch_copies(self) -> object | None:
+        """Start the copies between tiers queued since the last launch (a batch is launching);
+        what its forward waits on before each layer (`wait(layer)`), or None when nothing is in
+        flight. A cache without lower tiers copies nothing."""
+        return None
+
+    def settle(self) -> None:
+        """Finish every queued copy between tiers: afterwards the device pages are the caller's
+        to hand to anything that is not a forward (a PD transfer writes a room's pages)."""
+        return None
+
     @abstractmethod
     def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
         """Cache a page-aligned key with its KV slots; return the length already cached.

@@ -29,7 +29,7 @@ this class.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,6 +61,7 @@ class RadixCache(LowerTiers, PrefixCache):
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, kv_pool_allocator: PageAllocator, page_size: int,
         host: HostTier | None = None, events: KVEventLog | None = None, disk: DiskTier | None = None,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool_allocator, page_size)
         if disk is not None and host is None:
@@ -68,6 +69,9 @@ class RadixCache(LowerTiers, PrefixCache):
         self.host = host
         self.events = events  # what is stored and removed, for an external router (kv_events.py)
         self.disk = disk  # pages the host drops, in files named by their block hash (disk_tier.py)
+        # Under TP each rank has its own disk tier, whose writer lands a page in its own time: the
+        # ranks take the smallest of what their disks hold, so that they load alike (tiers.py).
+        self.agree = agree or (lambda n: n)
         self._hashing = events is not None or disk is not None  # both name a page by its block hash
         self._clock = 0
         self._next_id = 0
@@ -297,6 +301,7 @@ class RadixCache(LowerTiers, PrefixCache):
     def reset(self) -> None:
         if self._protected:
             raise RuntimeError(f"reset with {self._protected} locked tokens")
+        self.settle()  # no queued copy may still read or write a page freed here
         nodes = list(self._nodes())
         for node in nodes:
             node.parent = None  # stale every outstanding handle
@@ -330,6 +335,7 @@ class RadixCache(LowerTiers, PrefixCache):
 
     # ---- integrity -------------------------------------------------------------------
     def check_integrity(self) -> None:
+        self.settle()  # run when idle: nothing should be left queued
         P = self.page_size
         assert not self.root.key and self.root.parent is None and self.root.lock_ref == 0
         evictable = protected = 0
@@ -384,10 +390,11 @@ def create_prefix_cache(
     host: HostTier | None = None,
     events: KVEventLog | None = None,
     disk: DiskTier | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> PrefixCache:
     """RadixCache unless the radix cache is disabled (here, beside the one module that knows both)."""
     if disable_radix_cache:
         if host is not None or disk is not None:
             raise ValueError("the hierarchical cache is a tier of the radix cache: it needs the radix cache on")
         return NoPrefixCache(req_to_token_pool, kv_pool_allocator, page_size)
-    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host, events, disk)
+    return RadixCache(req_to_token_pool, kv_pool_allocator, page_size, host, events, disk, agree)

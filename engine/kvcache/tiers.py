@@ -21,6 +21,9 @@ on the host (`host`), or on both. The rules between the tiers:
 - A host-only node a request recomputed anyway takes the request's pages at insert.
 - A host page is freed by the node that holds it, when the node is dropped; a device page as
   before. check_integrity counts both pools against the nodes.
+- Copies are queued (tier_copies.py) and run when the next batch launches, layer by layer; its
+  forward waits for each layer before touching it. Anything else that takes device pages from the
+  cache's allocator to hand on (a PD room) settles the queue first.
 - The disk tier backs up what the host tier takes (and a device leaf the host had no room for,
   as it goes), a page a file named by its block hash; a match that runs past the device and host
   continues there.
@@ -89,6 +92,13 @@ class LowerTiers:
         result = MatchResult(torch.cat([match.indices, *loaded]), last, host_hit=sum(x.numel() for x in loaded))
         return self._disk_continuation(result, key) if len(loaded) == len(path) else result
 
+    def launch_copies(self) -> object | None:
+        return self.host.launch() if self.host is not None else None
+
+    def settle(self) -> None:
+        if self.host is not None:
+            self.host.drain()
+
     def _disk_continuation(self, match: MatchResult, key: list[int]) -> MatchResult:
         """A match extended by what the disk tier holds past its end (match_and_load's last step)."""
         pos = match.indices.numel()
@@ -125,11 +135,16 @@ class LowerTiers:
             return
         on_host = host_slots is not None
         slots: torch.Tensor = host_slots if on_host else node.slots  # type: ignore[assignment]
-        P, parent = self.page_size, self._parent_hash(node)
-        for i, h in enumerate(node.hashes):
-            payload = self.host.page_payload(slots[i * P : (i + 1) * P], on_host)  # type: ignore[union-attr]
-            self.disk.put(h, parent, node.key[i * P : (i + 1) * P], payload)
-            parent = h
+        P, disk, parent = self.page_size, self.disk, self._parent_hash(node)
+        pages = [(h, node.key[i * P : (i + 1) * P]) for i, h in enumerate(node.hashes)]
+
+        def put(payloads: list[bytes]) -> None:  # on the copier, once the pages are staged
+            prev = parent
+            for (h, tokens), payload in zip(pages, payloads):
+                disk.put(h, prev, tokens, payload)
+                prev = h
+
+        self.host.spill(slots, on_host, put)  # type: ignore[union-attr]  # a disk tier implies a host tier
 
     def _load_from_disk(self, node: TreeNode, key: list[int], pos: int) -> tuple[TreeNode, torch.Tensor | None]:
         """Continue a match below device node `node` at key[pos:] with the disk tier's pages: as
@@ -142,6 +157,7 @@ class LowerTiers:
         found = 0
         while found < len(hashes) and self.disk.has(hashes[found]):  # type: ignore[union-attr]
             found += 1
+        found = self.agree(found)  # every TP rank reaches this with the same tree: they agree here
         if not found:
             return node, None
         self.inc_lock_ref(node)  # making room must not evict the prefix it extends
@@ -155,18 +171,21 @@ class LowerTiers:
         if got is None or not got.numel():
             return node, None
         slots = (got[:, None] * P + torch.arange(P)).flatten().to(self.device)
-        loaded, prev = 0, parent
+        payloads: list[bytes] = []
+        prev = parent
         for i in range(got.numel()):
-            tokens = key[pos + i * P : pos + (i + 1) * P]
-            payload = self.disk.get(hashes[i], prev, tokens)  # type: ignore[union-attr]
+            payload = self.disk.get(hashes[i], prev, key[pos + i * P : pos + (i + 1) * P])  # type: ignore[union-attr]
             if payload is None:
                 break
-            self.host.load_payload(payload, slots[i * P : (i + 1) * P])  # type: ignore[union-attr]
-            loaded, prev = loaded + 1, hashes[i]
+            payloads.append(payload)
+            prev = hashes[i]
+        loaded = self.agree(len(payloads))  # a page one rank's disk failed to read: none load it
+        del payloads[loaded:]
         if loaded < got.numel():
             self.allocator.free(slots[loaded * P :])
         if not loaded:
             return node, None
+        self.host.load_payloads(payloads, slots[: loaded * P])  # type: ignore[union-attr]
         n = loaded * P
         leaf = self._new_node(list(key[pos : pos + n]), slots[:n], node)
         leaf.hashes, leaf.last_access = hashes[:loaded], self._clock

@@ -68,6 +68,8 @@ class Attention(nn.Module):
         qn, kn = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
         # Layer ops that fuse RoPE with the K/V store write k and v into the slots the backend
         # offers (one launch instead of two); otherwise the backend stores them.
+        if batch.kv_ready is not None:  # KV-tier copies still landing: this layer's must be in
+            batch.kv_ready.wait(self.layer_id)
         slots = backend.kv_slots(self.layer_id, batch) if self.ops.fuses_kv_store else None
         if slots is None:
             q, k, v = self.ops.qk_rope(qkv[:n], rope, self.heads, qn, kn, cfg.rms_norm_eps)

@@ -74,6 +74,8 @@ class ModelWorker:
                       future_slots: range | None) -> SampleOutput:
         """A decode step as one replay: its futures resolved, its greedy samples taken and stored
         inside the graph (runner/graph_inputs.py). Other sampling runs on the logits after it."""
+        if mwb.kv_ready is not None:  # the graph cannot wait layer by layer: all of them first
+            mwb.kv_ready.wait(mwb.kv_ready.layers - 1)
         logits, greedy = graphs.decode(mwb.input_ids, np.asarray(mwb.prefix_lens, dtype=np.int64),
                                        mwb.out_cache_loc, np.asarray(mwb.req_pool_indices, dtype=np.int64),
                                        future_slots if future_map is not None else None)
@@ -92,6 +94,7 @@ class ModelWorker:
             mwb.mode, input_ids, mwb.req_pool_indices, mwb.prefix_lens, mwb.extend_lens,
             torch.from_numpy(mwb.out_cache_loc), dev, num_extend_reqs=mwb.num_extend_reqs,
         )
+        fb.kv_ready = mwb.kv_ready
         logits = self.runner.forward(fb)
         sb = SamplingBatch.from_params(mwb.sampling_params, self.runner.vocab_size, dev)
         return self._sample(mwb, logits, sb, future_map, future_slots)

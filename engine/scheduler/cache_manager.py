@@ -140,6 +140,8 @@ class CacheManager:
             return None
         self._ensure_free(pages)
         got = self.allocator.alloc_pages(pages)
+        if got is not None:
+            self.settle_copies()  # staging is written outside a forward: no queued copy may still read it
         return None if got is None else got.tolist()
 
     def free_staging(self, pages: list[int]) -> None:
@@ -232,6 +234,11 @@ class CacheManager:
         nodes, self._held_nodes = self._held_nodes, []
         for node in nodes:
             self.tree.dec_lock_ref(node)
+
+    def settle_copies(self) -> None:
+        """Finish the tiers' queued copies (prefix_cache.settle): pages about to go to
+        something other than a forward may be ones an eviction is still writing to the host."""
+        self.tree.settle()
 
     def flush(self) -> None:
         """Drop the prefix cache; only with nothing running or in flight."""

@@ -84,6 +84,7 @@ class Scheduler:
         if config.enable_hierarchical_cache:
             tokens = host_tokens(memory.kv_pool, config.hicache_ratio, config.hicache_size)
             host = HostTier(memory.kv_pool, tokens, config.hicache_write_policy)
+        self.host = host
         # KV events (kvcache/kv_events.py): the TP ranks hold the same cache, so one publishes.
         events = KVEventsConfig.parse(config.kv_events_config)
         self.kv_event_log: KVEventLog | None = None
@@ -94,7 +95,7 @@ class Scheduler:
         self.disk = disk_tier(config, runner, memory.kv_pool, host) if config.hicache_storage_backend else None
         tree = create_prefix_cache(
             config.disable_radix_cache, memory.req_table, memory.kv_pool.allocator, memory.kv_pool.page_size, host,
-            self.kv_event_log, self.disk,
+            self.kv_event_log, self.disk, self.tp.min_int if self.tp.size > 1 else None,
         )
         # Overlap: a batch's results are processed while the next batch runs (cache_manager.py)
         self.cache = CacheManager(memory.req_table, memory.kv_pool, tree, hold_freed=config.enable_overlap)
@@ -250,6 +251,7 @@ class Scheduler:
         """Bookkeeping of a batch about to launch; with debug_tp_digest, the ranks first
         check that they all launch this same batch (parallel/digest.py)."""
         self.steps += 1
+        mwb.kv_ready = self.cache.tree.launch_copies()  # the tiers' copies run beside its forward
         if self.config.debug_tp_digest and self.tp.size > 1:
             check_same_batch(self.tp, mwb, self.steps)
         self.idle_checked = False
@@ -332,6 +334,8 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammar.shutdown()
+        if self.host is not None:
+            self.host.close()  # its queued copies first: they may still put pages to the disk tier
         if self.disk is not None:
             self.disk.close()
         if self.kv_events is not None:

@@ -146,13 +146,33 @@ def test_a_restarted_worker_warms_from_disk_and_skips_a_corrupt_page(engine, tmp
     assert sum(cached) > 0  # a cold worker, and still prompts hit: from the disk
 
 
+def test_tensor_parallel_ranks_load_alike_when_one_rank_loses_a_page(engine, tmp_path: Path) -> None:
+    """At TP 2 each rank keeps its own files (its KV heads); a page damaged on rank 1's disk only
+    is loaded by neither rank (they agree on the smallest run their disks hold: the batch digest
+    would catch ranks that scheduled apart), and the answers are a single rank's."""
+    want, _ = _answers(engine(max_total_tokens=96, page_size=4, disable_overlap_schedule=True))
+    a = _tiered(engine, tmp_path, tp_size=2, debug_tp_digest=True)
+    assert _answers(a)[0] == want
+    a.shutdown()
+    ranks = sorted(d for d in tmp_path.iterdir() if d.is_dir())
+    assert len(ranks) == 2, ranks  # one directory a rank: their bytes are different heads
+    damaged = sorted(ranks[1].glob("*.kv"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[-8] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    b = _tiered(engine, tmp_path, tp_size=2, debug_tp_digest=True)
+    got, cached = _answers(b)
+    assert got == want and sum(cached) > 0
+    b.shutdown()
+    # rank 1 read it, rejected it (deleted), and the page recomputed was written again, whole
+    assert not damaged.exists() or damaged.read_bytes() != bytes(data)
+
+
 def test_the_disk_tier_needs_the_host_tier(engine, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="add enable_hierarchical_cache"):
         engine(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="must be file"):
         engine(enable_hierarchical_cache=True, hicache_storage_backend="s3")
-    with pytest.raises(ValueError, match="runs at tp_size 1"):
-        engine(enable_hierarchical_cache=True, hicache_storage_backend="file", tp_size=2)
 
 
 def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path) -> None:

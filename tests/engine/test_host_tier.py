@@ -22,6 +22,7 @@ def _fill(env: Env, slots: torch.Tensor, value: float) -> None:
 
 
 def _kv(env: Env, slots: torch.Tensor) -> torch.Tensor:
+    env.cache.settle()  # the queued copies land (a forward would wait for them layer by layer)
     return env.cache.host.device_pool.kv_buffer[:, :, slots].clone()  # type: ignore[union-attr]
 
 
@@ -38,7 +39,7 @@ def test_an_evicted_prefix_comes_back_byte_for_byte(tiered: Env) -> None:
     want = _kv(env, slots)
     assert env.cache.evict(3 * P) == 3 * P  # written back (write_back policy), then freed
     assert env.cache.match_prefix(key).indices.numel() == 0 and env.cache.host_size() == 3 * P
-    env.check()
+    env.check()  # settles: the write to the host has run
     env.cache.host.device_pool.kv_buffer.zero_()  # type: ignore[union-attr]  # the freed pages are reused
     match = env.cache.match_and_load(key + [7])
     assert match.indices.numel() == 3 * P and match.host_hit == 3 * P
