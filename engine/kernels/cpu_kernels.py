@@ -222,6 +222,22 @@ def expert_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torc
     return out
 
 
+_ONE_EXPERT: dict[int, torch.Tensor] = {}
+
+
+def stream_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a few rows (x (M, K) contiguous, w (N, K) as stored, K a multiple of
+    16): the experts' kernel with one expert, which streams w once at close to the machine's read
+    bandwidth, where oneDNN's small-M GEMM reads it at a third to a half of that
+    (bench/small_m_gemm.py --cpu)."""
+    m = x.shape[0]
+    offsets = _ONE_EXPERT.get(m)
+    if offsets is None:
+        offsets = _ONE_EXPERT.setdefault(m, torch.tensor([m], dtype=torch.int32))
+    out = expert_gemm(x, w.unsqueeze(0), offsets)
+    return out if bias is None else out.add_(bias)
+
+
 _EMPTY = torch.empty(0)
 
 

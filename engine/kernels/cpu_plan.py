@@ -33,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
-OPS = ("decode_attention", "extend_attention", "layer_ops", "store_kv", "sampling", "experts")
+OPS = ("decode_attention", "extend_attention", "layer_ops", "store_kv", "sampling", "experts", "stream_linears")
 
 _V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})  # x86-64-v3 (abm = LZCNT)
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4
@@ -50,7 +50,7 @@ REQUIRES = {
 # and elementwise ops, 0.03-0.25x torch's grouped matmul for MoE experts (bench/moe_block_cpu.py
 # under TANDEM_CPU_ISA=generic); its sampling still wins (~3x: no sort, no ten vocab-sized tensors).
 _TORCH_FASTER: dict[str, frozenset[str]] = {
-    "generic": frozenset({"decode_attention", "extend_attention", "layer_ops", "experts"}),
+    "generic": frozenset({"decode_attention", "extend_attention", "layer_ops", "experts", "stream_linears"}),
     "avx2": frozenset(),
     "avx512": frozenset(),
     "avx512_bf16": frozenset(),

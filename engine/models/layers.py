@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.kernels import cpu_plan
+from tandem.engine.kernels import cpu_kernels, cpu_plan
 from tandem.engine.models.layer_ops import TORCH, LayerOps
 from tandem.engine.parallel.group import SINGLE, TPGroup
 
@@ -71,20 +71,34 @@ def bucketed(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(torch.nn.functional.pad(x, (0, 0, 0, m - n)))[:n]
 
 
+STREAM_ROWS = 4  # up to this many rows a streamed matmul (stream_linear) beat oneDNN's (smollm2 decode steps)
+
+
 class PackedLinear(nn.Module):
     """A bf16 nn.Linear whose weight is pre-reordered into oneDNN's blocked layout.
 
     CPU-only: torch's plain bf16 matmul re-lays-out the weight on every call; packing
     once at load time removes that (measured 1.2-1.7x on the small model's shapes).
-    Rows are padded to buckets so oneDNN reuses its compiled kernels (row_bucket)."""
+    Rows are padded to buckets so oneDNN reuses its compiled kernels (row_bucket).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64) -> None:
+    With `plain` (the weight as stored, row-major) a call of at most STREAM_ROWS rows, a decode
+    step of one or two requests, streams it through the CPU kernel instead: bound by the read
+    bandwidth, 1.5-2x oneDNN's small-M GEMM, which no packing serves (docs/benchmarks.md, "Small
+    decode batches on CPU"). The price is that second copy of the weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64,
+                 plain: torch.Tensor | None = None, owns_plain: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint))
         self.bias = bias
+        if plain is not None and owns_plain:  # a buffer: the runner counts it in the weights' bytes
+            self.register_buffer("plain_copy", plain, persistent=False)
+        self.plain = plain  # not owned: another module's (a tied head's is the embedding), counted there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] <= STREAM_ROWS:
+            return cpu_kernels.stream_linear(x.contiguous(), self.plain, self.bias)
         return bucketed(self._mm, x)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,14 +114,22 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear."""
+def can_stream(weight: torch.Tensor) -> bool:
+    """Whether stream_linear takes this weight: the kernel reads 16 input features at a time."""
+    return weight.shape[1] % 16 == 0 and cpu_kernels.enabled("stream_linears")
+
+
+def pack_linears(model: nn.Module, stream: bool = False) -> int:
+    """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear; with `stream`,
+    each keeps its plain weight too, for calls of a row or two (PackedLinear)."""
     # The LM head is the model's to pack (pack_lm_head): it may be tied to the embedding.
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, PackedLinear(mod.weight, mod.bias))
+        plain = mod.weight.detach() if stream and can_stream(mod.weight) else None
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr,
+                PackedLinear(mod.weight, mod.bias, plain=plain))
     pack_head = getattr(model, "pack_lm_head", None)
     if pack_head is not None:
-        pack_head()
+        pack_head(stream)
     return len(targets) + (pack_head is not None)

@@ -32,7 +32,15 @@ from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kvcache.kv_scales import KVScales
 from tandem.engine.model_config import ModelConfig
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
-from tandem.engine.models.layers import GatedMLP, PackedLinear, RMSNorm, bucketed, row_bucket
+from tandem.engine.models.layers import (
+    STREAM_ROWS,
+    GatedMLP,
+    PackedLinear,
+    RMSNorm,
+    bucketed,
+    can_stream,
+    row_bucket,
+)
 from tandem.engine.models.moe import SparseMoE
 from tandem.engine.models.rotary import RotaryEmbedding
 from tandem.engine.parallel.group import SINGLE, TPGroup
@@ -135,11 +143,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.packed_head: PackedLinear | None = None
 
-    def pack_lm_head(self) -> None:
+    def pack_lm_head(self, stream: bool = False) -> None:
         """CPU bf16: the LM head through a oneDNN-packed weight (2x the plain matmul at
-        decode batch 64). Tied, that is a copy beside the embedding; untied, it replaces it."""
-        self.packed_head = PackedLinear(self.lm_head.weight)
-        if self.lm_head is not self.embed_tokens:
+        decode batch 64). Tied, that is a copy beside the embedding; untied, it replaces it.
+        With `stream`, a row or two stream the plain weight (layers.PackedLinear): tied, the
+        embedding's, no copy."""
+        weight = self.lm_head.weight
+        tied = self.lm_head is self.embed_tokens
+        plain = weight.detach() if stream and can_stream(weight) else None
+        self.packed_head = PackedLinear(weight, plain=plain, owns_plain=not tied)
+        if not tied:
             self.lm_head = self.packed_head
 
     def use_layer_ops(self, ops: LayerOps) -> None:
@@ -157,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
         # copy; RoPE, attention and the KV pool see the real rows. fp32 runs in the BLAS, which
         # compiles nothing, and padding would only add rows: a decode step of one request
         # padded to 8 took 3-4x as long (MKL sgemm on an AMD EPYC, 2 threads).
-        bucket = ids.device.type == "cpu" and self.embed_tokens.weight.dtype != torch.float32
+        # A row or two are not padded: their matmuls may stream the weight instead (STREAM_ROWS).
+        bucket = (ids.device.type == "cpu" and self.embed_tokens.weight.dtype != torch.float32
+                  and ids.shape[0] > STREAM_ROWS)
         if bucket:
             ids = F.pad(ids, (0, row_bucket(ids.shape[0]) - ids.shape[0]))
         x = self.embed(ids)

@@ -32,6 +32,7 @@ from tandem.engine.runner.sampler import SampleOutput, SamplingBatch, sample
 
 log = logging.getLogger(__name__)
 
+STREAM_COPY_MAX_GIB = 2.0  # cpu_stream_linears=None keeps plain weights up to this size (models to ~1B)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,16 +76,28 @@ class ModelRunner:
         if config.kv_cache_dtype != "auto":
             self._check_fp8_kv()
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
+        self.stream_linears = False
         pack = config.cpu_packed_linear and can_pack_linears(self.device, self.dtype)
         if config.deterministic:
             make_batch_invariant(self.model, pack)
             if tp.size > 1:  # never the shared single-rank group
                 tp.ordered_sums = True
         elif pack:
-            pack_linears(self.model)
+            self.stream_linears = self._stream_linears()
+            pack_linears(self.model, stream=self.stream_linears)
         ops = layer_ops_choice.build(self._choose_layer_ops(), self.model, fall_back=config.layer_ops == "auto")
         self.model.use_layer_ops(ops)
         self.layer_ops_name = ops.name
+
+    def _stream_linears(self) -> bool:
+        """Whether packed linears keep a plain copy for one- and two-row calls (RunnerConfig)."""
+        if not cpu_kernels.enabled("stream_linears"):
+            return False
+        if self.config.cpu_stream_linears is not None:
+            return self.config.cpu_stream_linears
+        copy = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                   if type(m) is torch.nn.Linear)
+        return copy <= STREAM_COPY_MAX_GIB * 2**30
 
     def _check_deterministic(self) -> None:
         """Deterministic mode runs on the CPU kernels (norms and attention reduce one row at a time
@@ -179,9 +192,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up()
         log.info(
-            "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s, layer ops %s",
+            "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s, layer ops %s%s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
             self.page_size, type(self.attn_backend).__name__, self.layer_ops_name,
+            ", small batches stream the linears" if self.stream_linears else "",
         )
 
     @torch.inference_mode()

@@ -1,0 +1,95 @@
+"""A CPU bf16 decode step with the linears streamed for small batches (`cpu_stream_linears`,
+models/layers.py PackedLinear) against oneDNN's packed matmuls alone, same model, same run.
+
+    python bench/cpu_stream_linears.py --model smollm2 --batches 1,2,3,4,5,8 --rounds 5
+
+A decode step of one request multiplies one row by every weight: the step is the time to read
+the weights. oneDNN's packed bf16 GEMM reads them at a third to a half of this machine's bandwidth
+at such sizes; the streamed form (kernels/cpu_kernels.stream_linear) at close to all of it. Rows
+above STREAM_ROWS use oneDNN either way, so those batches show the two equal. Each round times
+--repeat steps of each variant, alternating; the ratio is off / on, the median over rounds.
+Output: a table and docs/results/cpu_stream_linears_<model>.json (--out to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run_meta import run_meta  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def decode_step(path: str, batch: int, ctx: int, stream: bool):
+    """One decode step of `batch` requests with `ctx` tokens cached each, as a callable."""
+    from tandem.engine.model_config import RunnerConfig
+    from tandem.engine.runner.model_runner import ModelRunner
+    from tandem.engine.runner.static_generate import StaticBatch
+
+    config = RunnerConfig(dtype="bfloat16", page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
+                          max_running_requests=batch, cpu_stream_linears=stream)
+    runner = ModelRunner.load(path, config)
+    sb = StaticBatch(runner)
+    g = torch.Generator().manual_seed(0)
+    seqs = sb.new(batch)
+    sb.forward(seqs, [torch.randint(10, runner.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)])
+    return runner.stream_linears, lambda: sb.forward(seqs, [[7]] * batch)
+
+
+def timed_ms(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", default="1,2,3,4,5,8")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from tandem.engine.modelgen.resolve import resolve_model
+    from tandem.engine.models.layers import STREAM_ROWS
+
+    path = str(resolve_model(args.model))
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        streamed, on = decode_step(path, batch, args.ctx, True)
+        _, off = decode_step(path, batch, args.ctx, False)
+        on(), off()  # warm-up: oneDNN builds its kernels for the shape
+        on_ms, off_ms = [], []
+        for _ in range(args.rounds):
+            on_ms.append(timed_ms(on, args.repeat))
+            off_ms.append(timed_ms(off, args.repeat))
+        row = {"batch": batch, "streamed": streamed and batch <= STREAM_ROWS,
+               "on_ms": round(statistics.median(on_ms), 3), "off_ms": round(statistics.median(off_ms), 3),
+               "off_over_on": round(statistics.median(f / o for f, o in zip(off_ms, on_ms)), 3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"model": args.model, "dtype": "bfloat16", "ctx": args.ctx, "threads": args.threads,
+              "stream_rows": STREAM_ROWS, "rows": rows, "meta": run_meta(torch.device("cpu"))}
+    out = Path(args.out) if args.out else ROOT / f"docs/results/cpu_stream_linears_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"-> {out}")
+
+
+if __name__ == "__main__":
+    main()
