@@ -15,15 +15,25 @@ if TYPE_CHECKING:
     from tandem.engine.scheduler.role_part import Host
 
 
+def room_needed(host: Host, staging: ScatterStaging, plan: Staging, inc: Incoming) -> float:
+    """KV tokens `inc` takes on decode (its prefix matched): its prompt's new pages, the staging
+    for them, and what its decode is expected to add, never more than the pages its whole answer
+    can fill (a prompt that ends a page short of a small pool must not wait for a page it will
+    not use)."""
+    req, cache, cfg = inc.req, host.cache, host.config
+    P, n, skip = cache.page_size, len(req.origin_input_ids), len(req.prefix_indices)
+    pages = cache.pages_needed(skip, n - skip)
+    decode = min(req.sampling_params.max_new_tokens, cfg.clip_max_new_tokens)
+    expected = pages * P + decode * host.new_token_ratio
+    return min(expected, cache.pages_needed(skip, n - skip + decode) * P) + staging.pages_needed(plan, pages) * P
+
+
 def reserve_room(host: Host, slots: FirstTokenSlots, staging: ScatterStaging, plan: Staging,
                  inc: Incoming) -> bool:
     """Take the room for `inc` (its prefix matched by the caller, locked here), recorded in
     inc.slot, inc.pages and inc.staging; False, taking nothing, while the pool is short."""
-    req, cache, cfg = inc.req, host.cache, host.config
-    P, n, skip = cache.page_size, len(req.origin_input_ids), len(req.prefix_indices)
-    pages = cache.pages_needed(skip, n - skip)
-    need = ((pages + staging.pages_needed(plan, pages)) * P
-            + min(req.sampling_params.max_new_tokens, cfg.clip_max_new_tokens) * host.new_token_ratio)
+    req, cache, P = inc.req, host.cache, host.cache.page_size
+    need = room_needed(host, staging, plan, inc)
     if host.kv_headroom() < need or not slots.free or cache.free_rows() == 0:
         return False
     # Locking the matched prefix takes it out of the evictable pool the headroom counted (a prefix

@@ -40,7 +40,7 @@ from tandem.decode.allowlist import Allowlist, Verdict
 from tandem.decode.arrival import Arrival
 from tandem.decode.incoming import Incoming, Stage
 from tandem.decode.peers import PrefillPeers
-from tandem.decode.prealloc import reserve_room
+from tandem.decode.prealloc import reserve_room, room_needed
 from tandem.decode.staging import ScatterStaging
 from tandem.engine.scheduler.req import FinishReason, KVFate, Req, finish_abort
 from tandem.engine.scheduler.role_part import Admission
@@ -211,6 +211,8 @@ class DecodeReceiver:
             elif full:
                 self.stats["held_for_prefill_slots"] += not inc.held
                 inc.held = True
+            elif self._never_fits(inc):
+                continue
             elif self._reserve(inc):
                 held[inc.peer] += 1
             else:
@@ -233,6 +235,16 @@ class DecodeReceiver:
         self.peers.channel.send(inc.peer, pd.KVCancel(inc.room, "decode prefills it (conditional disaggregation)"))
         self.stats["local_prefills"] += 1
         self.host.queue_prefill(inc.req)
+
+    def _never_fits(self, inc: Incoming) -> bool:
+        """A room larger than the whole pool would wait for ever (until pd_prealloc_timeout):
+        it fails now, retryable on a decode with a bigger pool."""
+        need, pool = room_needed(self.host, self.staging, self.peers.link(inc.peer).staging, inc), \
+            self.host.cache.capacity_tokens()
+        if need <= pool:
+            return False
+        self._fail(inc, f"this request needs {need:.0f} KV tokens on decode, more than its pool holds ({pool})")
+        return True
 
     def _reserve(self, inc: Incoming) -> bool:
         req = inc.req

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from kv_caches import cache_over
 
-from tandem.decode.prealloc import reserve_room
+from tandem.decode.prealloc import reserve_room, room_needed
 from tandem.engine.kvcache.memory_pool import TokenToKVPool
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler.req import Req
@@ -54,3 +54,21 @@ def test_a_room_that_fits_beside_its_locked_prefix_is_taken() -> None:
     assert reserve_room(host, slots, staging, None, inc) is True  # type: ignore[arg-type]
     assert len(inc.pages) == 1 and cache.tree.protected_size() == 20
     cache.unlock(inc.req.last_node)
+
+
+def test_a_prompt_that_fills_the_pool_is_not_held_back_by_the_decode_estimate() -> None:
+    """26 prompt tokens and 2 to decode fill the 7 pages exactly; the estimate (prompt pages plus
+    max_new_tokens) came to 30 tokens, more than the pool, and the room waited for ever (until
+    pd_prealloc_timeout): a PD test with a 256-token decode pool timed out on its first request."""
+    pool = TokenToKVPool(num_pages=PAGES, page_size=P, num_layers=2, num_kv_heads=2, head_dim=8,
+                         dtype=torch.float32, device="cpu")
+    cache = cache_over(pool)
+    req = Req("r", list(range(100, 126)), SamplingParams(max_new_tokens=2))
+    req.init_next_round_input(cache.tree)
+    host = SimpleNamespace(cache=cache, config=SimpleNamespace(clip_max_new_tokens=4096), new_token_ratio=1.0,
+                           kv_headroom=cache.available_tokens)
+    inc = SimpleNamespace(req=req, slot=None, pages=None, staging=None)
+    staging = SimpleNamespace(pages_needed=lambda plan, pages: 0, reserve=lambda plan, n: [])
+    assert room_needed(host, staging, None, inc) == 28 == cache.capacity_tokens()  # type: ignore[arg-type]
+    assert reserve_room(host, SimpleNamespace(free=1, alloc=lambda: 0), staging, None, inc)  # type: ignore[arg-type]
+    assert len(inc.pages) == 7
