@@ -73,6 +73,9 @@ class EngineConfig:
     layer_ops: str = "auto"  # norms, RoPE, SiLU*mul: auto | torch | cpu-kernels | flashinfer (models/layer_ops.py)
     decode_tensor_cores: bool | None = None  # FlashInfer decode kernel; None: by heads per KV head
     decode_split_kv: bool | None = None  # FlashInfer's split-KV decode; None: off once the batch fills the GPU
+    # CPU bf16: decode steps of up to 4 rows stream a plain copy of each linear's weight (models/layers.py);
+    # None: where the copies come to at most 2 GiB.
+    cpu_stream_linears: bool | None = None
     fused_rope_kv: bool | None = None  # RoPE + K/V store in one Triton launch; None: on CUDA
     disable_cuda_graph: bool = False
     # Bit-identical tokens for a request whatever its batch, cache hits, chunks, loop or PD role
@@ -206,6 +209,7 @@ class EngineConfig:
             attention_backend=self.attention_backend, layer_ops=self.layer_ops,
             decode_tensor_cores=self.decode_tensor_cores, decode_split_kv=self.decode_split_kv,
             fused_rope_kv=self.fused_rope_kv, deterministic=self.deterministic, ep_size=self.ep_size,
+            cpu_stream_linears=self.cpu_stream_linears,
             kv_cache_dtype=self.kv_cache_dtype,
             disable_cuda_graph=self.disable_cuda_graph, cuda_graph_max_bs=self.cuda_graph_max_bs,
             max_forward_tokens=max(self.max_prefill_tokens, self.chunk_size or 0),
