@@ -31,6 +31,18 @@ CACHED_PROMPT_TOKENS = "tandem_cached_prompt_tokens"
 HOST_TIER = "tandem_host_tier"
 DISK_TIER = "tandem_disk_tier"  # by `stat`: written/loaded/rejected/evicted pages, used_bytes, budget_bytes
 
+# The model-server protocol of the Gateway API Inference Extension (GIE 003): the names its
+# Endpoint Picker scrapes by default (its --total-queued-requests-metric, ...-running-...,
+# --kv-cache-usage-percentage-metric, --lora-info-metric, --cache-info-metric flags' defaults,
+# vLLM's names), so an EPP picks Tandem pods with no flags. Exported beside Tandem's own.
+MSP_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge: requests queued
+MSP_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # gauge: requests being served
+MSP_KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # gauge: fraction 0..1 of KV blocks in use
+# Gauge, value the start time; labels running_lora_adapters, waiting_lora_adapters, max_lora. Tandem
+# serves no adapters: both lists empty, which the EPP reads as "no LoRA" (a missing family is an error).
+MSP_LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+MSP_CACHE_CONFIG_INFO = "vllm:cache_config_info"  # gauge 1; labels block_size, num_gpu_blocks (prefix scorers)
+
 # Bucket bounds the workers should use for the latency histograms, so that a p95
 # read by the operator has useful resolution around typical SLO targets.
 TTFT_BUCKETS_SECONDS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)

@@ -68,7 +68,8 @@ def _pool_state(sched: AdminView, idle: bool) -> dict[str, Any]:
     return {
         "dp_rank": sched.dp_rank, "idle": idle, "whole": True if idle else None,
         "free_tokens": sched.cache.allocator.available_size(), "cached_tokens": sched.cache.tree.total_size(),
-        "capacity_tokens": sched.cache.capacity_tokens(), "kv_usage": sched.cache.usage(),
+        "capacity_tokens": sched.cache.capacity_tokens(), "page_size": sched.cache.page_size,
+        "kv_usage": sched.cache.usage(),
         "kv_dtype": str(sched.cache.kv_pool.dtype).removeprefix("torch."),
         "kv_scales": sched.cache.kv_pool.scales.digest(), **sched.load(), **_host_tier(sched),
     }

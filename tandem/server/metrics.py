@@ -36,6 +36,19 @@ class ServerMetrics:
                                "and bytes, load_seconds) and size (capacity_tokens, used_tokens)", ["stat"], registry=r)
         self.disk_tier = Gauge(names.DISK_TIER, "disk KV tier totals since start (written, loaded, rejected and "
                                "evicted pages) and size (used_bytes, budget_bytes)", ["stat"], registry=r)
+        # The same load under the names a Gateway API Inference Extension EPP scrapes by default.
+        self.msp_waiting = Gauge(names.MSP_NUM_REQUESTS_WAITING, "requests queued (GIE model-server protocol)",
+                                 registry=r)
+        self.msp_running = Gauge(names.MSP_NUM_REQUESTS_RUNNING, "requests being served (GIE model-server protocol)",
+                                 registry=r)
+        self.msp_kv_usage = Gauge(names.MSP_KV_CACHE_USAGE_PERC, "fraction 0..1 of KV blocks in use (GIE "
+                                  "model-server protocol)", registry=r)
+        lora = Gauge(names.MSP_LORA_REQUESTS_INFO, "LoRA adapters running and waiting: none (GIE model-server "
+                     "protocol)", ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+        lora.labels("", "", "0").set(time.time())
+        self._cache_info_set = False  # the pool's shape is fixed: labelled once, at the first scrape
+        self.msp_cache = Gauge(names.MSP_CACHE_CONFIG_INFO, "KV block size and count (GIE model-server protocol)",
+                               ["block_size", "num_gpu_blocks"], registry=r)
         # PD (prefill and decode roles): the scheduler's running counts, summed over ranks.
         self.handshake_ok = Gauge(names.KV_HANDSHAKE_OK, "decode: 1 while a prefill handshake holds", registry=r)
         self.pd_events = Gauge(names.PD_EVENTS, "PD counts since start (handshakes, handshake_failures, "
@@ -62,9 +75,17 @@ class ServerMetrics:
             self.cached_tokens.inc(out.cached_tokens)
 
     def render(self, pools: list[dict[str, Any]]) -> bytes:
-        self.queue.set(sum(p["num_waiting"] for p in pools))
-        self.running.set(sum(p["num_running"] for p in pools))
-        self.kv_usage.set(max(p["kv_usage"] for p in pools))
+        for ours, msp, value in (
+            (self.queue, self.msp_waiting, sum(p["num_waiting"] for p in pools)),
+            (self.running, self.msp_running, sum(p["num_running"] for p in pools)),
+            (self.kv_usage, self.msp_kv_usage, max(p["kv_usage"] for p in pools)),
+        ):
+            ours.set(value)
+            msp.set(value)
+        block = pools[0]["page_size"]  # DP ranks: one pod to an EPP, their blocks summed
+        if not self._cache_info_set:
+            self.msp_cache.labels(str(block), str(sum(p["capacity_tokens"] // block for p in pools))).set(1)
+            self._cache_info_set = True
         pd = [p["pd"] for p in pools if p.get("pd")]
         if pd and pd[0]["role"] == "decode":
             self.handshake_ok.set(1.0 if all(x["ready"] for x in pd) else 0.0)
