@@ -17,12 +17,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from forward import median_ms  # noqa: E402
 from run_meta import run_meta  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,15 +42,6 @@ def decode_step(path: str, batch: int, ctx: int, stream: bool):
     seqs = sb.new(batch)
     sb.forward(seqs, [torch.randint(10, runner.vocab_size, (ctx,), generator=g).tolist() for _ in range(batch)])
     return runner.stream_linears, lambda: sb.forward(seqs, [[7]] * batch)
-
-
-def timed_ms(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -76,8 +67,8 @@ def main() -> None:
         on(), off()  # warm-up: oneDNN builds its kernels for the shape
         on_ms, off_ms = [], []
         for _ in range(args.rounds):
-            on_ms.append(timed_ms(on, args.repeat))
-            off_ms.append(timed_ms(off, args.repeat))
+            on_ms.append(median_ms(on, args.repeat))
+            off_ms.append(median_ms(off, args.repeat))
         row = {"batch": batch, "streamed": streamed and batch <= STREAM_ROWS,
                "on_ms": round(statistics.median(on_ms), 3), "off_ms": round(statistics.median(off_ms), 3),
                "off_over_on": round(statistics.median(f / o for f, o in zip(off_ms, on_ms)), 3)}

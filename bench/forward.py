@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 
-def _median_ms(fn, repeat: int) -> float:
+def median_ms(fn, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
@@ -83,8 +83,8 @@ def _case(path: str, dtype: str, batch: int, ctx: int, rounds: int, repeat: int,
     ours(), hf()  # warm-up: kernel builds, oneDNN JIT, allocator
     o_ms, h_ms = [], []
     for _ in range(rounds):
-        o_ms.append(_median_ms(ours, repeat))
-        h_ms.append(_median_ms(hf, repeat))
+        o_ms.append(median_ms(ours, repeat))
+        h_ms.append(median_ms(hf, repeat))
     name = f"prefill {batch}x{ctx}" if batch == 8 else f"decode bs={batch} ctx={ctx}"
     return {"case": name, "ours_ms": statistics.median(o_ms), "base_ms": statistics.median(h_ms),
             "base_over_ours": statistics.median(h / o for h, o in zip(h_ms, o_ms)),
