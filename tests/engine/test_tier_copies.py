@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from waits import wait_until
 
 from tandem.engine.kvcache import tier_copies
 from tandem.engine.kvcache.tier_copies import CopyOp, ThreadCopies
@@ -92,8 +93,8 @@ def test_a_forward_waits_for_its_layer_not_the_whole_load(monkeypatch: pytest.Mo
     t = threading.Thread(target=forward)
     t.start()
     gates[0].set()
-    _until(lambda: reached == [0])
-    time.sleep(0.05)
+    wait_until(lambda: reached == [0], 10, "the forward past layer 0")
+    time.sleep(0.05)  # sleep-ok: proves a negative, that the forward stays at layer 1 while its gate is shut
     assert reached == [0] and not job.done()  # layer 1 is still loading: the forward waits there
     gates[1].set()
     gates[2].set()
@@ -124,7 +125,7 @@ def test_the_copier_thread_ends_when_idle_and_comes_back(monkeypatch: pytest.Mon
     for page in (1, 2):
         copies.add(CopyOp(host, [page], dev, [page], "load"))
         copies.drain()
-        _until(lambda: copies._thread is None)
+        wait_until(lambda: copies._thread is None, 10, "the idle copier thread to end")
     assert torch.equal(dev[:, :, 1:3], host[:, :, 1:3])
 
 
@@ -138,13 +139,6 @@ def test_a_spill_hands_on_the_bytes_once_they_are_copied() -> None:
     assert got == [dev[:, :, 7].contiguous().numpy().tobytes(), dev[:, :, 3].contiguous().numpy().tobytes()]
     back = tier_copies.from_payloads(got, L, pinned=False)
     assert torch.equal(back, dev[:, :, [7, 3]])
-
-
-def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
 
 
 # ---- in the engine --------------------------------------------------------------------------------
@@ -173,7 +167,7 @@ def test_a_copier_behind_the_forward_changes_no_token(engine, monkeypatch: pytes
     copy_layer = ThreadCopies._copy_layer
 
     def slow(self, layer, views):  # type: ignore[no-untyped-def]
-        time.sleep(0.003)
+        time.sleep(0.003)  # sleep-ok: the copier made slower than the forward, on purpose
         copy_layer(self, layer, views)
 
     monkeypatch.setattr(ThreadCopies, "_copy_layer", slow)
