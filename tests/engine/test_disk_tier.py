@@ -194,7 +194,10 @@ def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path
     first = Worker.colocated(model, *flags).wait_ready()
     try:
         with cf.ThreadPoolExecutor(4) as ex:
-            futures = [ex.submit(httpx.post, first.url + "/generate", json={"text": t, "sampling_params": sp},
+            # 32 new tokens beside a ~60-token prompt: one request fills the 96-token pool, so the others
+            # queue behind it and some are in flight when the poll looks (4 tokens each finished before it).
+            long = {**sp, "max_new_tokens": 32}
+            futures = [ex.submit(httpx.post, first.url + "/generate", json={"text": t, "sampling_params": long},
                                  timeout=60) for t in texts]
             first.wait_running(1)
             os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its schedulers, mid-traffic
