@@ -29,11 +29,11 @@ def room_needed(host: Host, staging: ScatterStaging, plan: Staging, inc: Incomin
 
 
 def reserve_room(host: Host, slots: FirstTokenSlots, staging: ScatterStaging, plan: Staging,
-                 inc: Incoming) -> bool:
-    """Take the room for `inc` (its prefix matched by the caller, locked here), recorded in
-    inc.slot, inc.pages and inc.staging; False, taking nothing, while the pool is short."""
+                 inc: Incoming, need: float) -> bool:
+    """Take the room for `inc` (its prefix matched by the caller, locked here; `need` its
+    room_needed), recorded in inc.slot, inc.pages and inc.staging; False, taking nothing, while
+    the pool is short."""
     req, cache, P = inc.req, host.cache, host.cache.page_size
-    need = room_needed(host, staging, plan, inc)
     if host.kv_headroom() < need or not slots.free or cache.free_rows() == 0:
         return False
     # Locking the matched prefix takes it out of the evictable pool the headroom counted (a prefix

@@ -211,9 +211,9 @@ class DecodeReceiver:
             elif full:
                 self.stats["held_for_prefill_slots"] += not inc.held
                 inc.held = True
-            elif self._never_fits(inc):
-                continue
-            elif self._reserve(inc):
+            elif (need := self._room(inc)) is None:
+                continue  # it can never fit: failed
+            elif self._reserve(inc, need):
                 held[inc.peer] += 1
             else:
                 break
@@ -236,20 +236,20 @@ class DecodeReceiver:
         self.stats["local_prefills"] += 1
         self.host.queue_prefill(inc.req)
 
-    def _never_fits(self, inc: Incoming) -> bool:
-        """A room larger than the whole pool would wait for ever (until pd_prealloc_timeout):
-        it fails now, retryable on a decode with a bigger pool."""
+    def _room(self, inc: Incoming) -> float | None:
+        """The KV tokens `inc`'s room takes, or None: a room larger than the whole pool would wait
+        for ever (until pd_prealloc_timeout), so it fails now, retryable on a bigger decode."""
         need, pool = room_needed(self.host, self.staging, self.peers.link(inc.peer).staging, inc), \
             self.host.cache.capacity_tokens()
         if need <= pool:
-            return False
+            return need
         self._fail(inc, f"this request needs {need:.0f} KV tokens on decode, more than its pool holds ({pool})")
-        return True
+        return None
 
-    def _reserve(self, inc: Incoming) -> bool:
+    def _reserve(self, inc: Incoming, need: float) -> bool:
         req = inc.req
         n = len(req.origin_input_ids)
-        if not reserve_room(self.host, self.slots, self.staging, self.peers.link(inc.peer).staging, inc):
+        if not reserve_room(self.host, self.slots, self.staging, self.peers.link(inc.peer).staging, inc, need):
             return False  # the pool is short: wait
         skip = len(req.prefix_indices)
         self.peers.channel.send(inc.peer, pd.KVDest(inc.room, inc.pages, skip, inc.slot, n, inc.staging))

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.engine.kvcache.page_copy import MAX_RUN_COPIES  # the same rule as the PD roles' page copies
 from tandem.protocol.kv_layout import page_runs
 
-MAX_RUN_COPIES = 8  # more runs than this copy with one indexed gather + scatter a layer instead
 IDLE_EXIT_S = 5.0  # the CPU copier's thread ends after this long with nothing to do; launch restarts it
 
 

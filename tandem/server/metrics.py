@@ -46,7 +46,6 @@ class ServerMetrics:
         lora = Gauge(names.MSP_LORA_REQUESTS_INFO, "LoRA adapters running and waiting: none (GIE model-server "
                      "protocol)", ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
         lora.labels("", "", "0").set(time.time())
-        self._cache_info_set = False  # the pool's shape is fixed: labelled once, at the first scrape
         self.msp_cache = Gauge(names.MSP_CACHE_CONFIG_INFO, "KV block size and count (GIE model-server protocol)",
                                ["block_size", "num_gpu_blocks"], registry=r)
         # PD (prefill and decode roles): the scheduler's running counts, summed over ranks.
@@ -83,9 +82,7 @@ class ServerMetrics:
             ours.set(value)
             msp.set(value)
         block = pools[0]["page_size"]  # DP ranks: one pod to an EPP, their blocks summed
-        if not self._cache_info_set:
-            self.msp_cache.labels(str(block), str(sum(p["capacity_tokens"] // block for p in pools))).set(1)
-            self._cache_info_set = True
+        self.msp_cache.labels(str(block), str(sum(p["capacity_tokens"] // block for p in pools))).set(1)
         pd = [p["pd"] for p in pools if p.get("pd")]
         if pd and pd[0]["role"] == "decode":
             self.handshake_ok.set(1.0 if all(x["ready"] for x in pd) else 0.0)

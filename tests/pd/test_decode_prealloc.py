@@ -42,7 +42,7 @@ def test_a_room_that_fits_only_by_evicting_its_own_prefix_waits() -> None:
     free + the 5-page prefix), 8 after it. The room waits, holding nothing."""
     cache, host, slots, staging, inc = _setup(new_tokens=12)
     assert cache.available_tokens() == 28
-    assert reserve_room(host, slots, staging, None, inc) is False  # type: ignore[arg-type]
+    assert reserve_room(host, slots, staging, None, inc, room_needed(host, staging, None, inc)) is False  # type: ignore[arg-type]
     assert cache.tree.protected_size() == 0 and inc.pages is None  # the lock was given back
     assert cache.allocator.available_size() == 8  # nothing taken, nothing evicted
     cache.check_integrity()
@@ -51,7 +51,7 @@ def test_a_room_that_fits_only_by_evicting_its_own_prefix_waits() -> None:
 def test_a_room_that_fits_beside_its_locked_prefix_is_taken() -> None:
     """4 new tokens and 4 to decode: the 8 tokens free beside the locked prefix."""
     cache, host, slots, staging, inc = _setup(new_tokens=4)
-    assert reserve_room(host, slots, staging, None, inc) is True  # type: ignore[arg-type]
+    assert reserve_room(host, slots, staging, None, inc, room_needed(host, staging, None, inc)) is True  # type: ignore[arg-type]
     assert len(inc.pages) == 1 and cache.tree.protected_size() == 20
     cache.unlock(inc.req.last_node)
 
@@ -70,5 +70,5 @@ def test_a_prompt_that_fills_the_pool_is_not_held_back_by_the_decode_estimate() 
     inc = SimpleNamespace(req=req, slot=None, pages=None, staging=None)
     staging = SimpleNamespace(pages_needed=lambda plan, pages: 0, reserve=lambda plan, n: [])
     assert room_needed(host, staging, None, inc) == 28 == cache.capacity_tokens()  # type: ignore[arg-type]
-    assert reserve_room(host, SimpleNamespace(free=1, alloc=lambda: 0), staging, None, inc)  # type: ignore[arg-type]
+    assert reserve_room(host, SimpleNamespace(free=1, alloc=lambda: 0), staging, None, inc, 28)  # type: ignore[arg-type]
     assert len(inc.pages) == 7
