@@ -133,12 +133,20 @@ def build_app(cfg: RouterConfig) -> Any:
                 discovery = PodDiscovery(ws, cfg.namespace, dict(cfg.selectors),
                                          on_remove=lambda url: [p.index.remove(url) for p in policies.values()])
                 tasks.append(asyncio.create_task(discovery.run()))
+            epp = None
+            if cfg.epp_port:
+                from tandem.router.epp.server import EppListener  # grpc only where a gateway asks
+
+                epp = EppListener(state, cfg.host, cfg.epp_port, cfg.epp_fallbacks, cfg.max_request_bytes)
+                await epp.start(cfg.health_interval)
             log.info("router ready: %d workers, serving %r", len(ws.workers), state.model_name)
             try:
                 yield
             finally:
                 for t in tasks:
                     t.cancel()
+                if epp is not None:
+                    await epp.stop()
                 await session.close()
 
     app = FastAPI(title="tandem router", version="0.1.0", lifespan=lifespan)

@@ -20,6 +20,7 @@ from tandem.worker_contract import (
     ENV_ADMIN_KEY,
     ENV_API_KEY,
     ENV_WORKER_API_KEY,
+    EPP_PORT,
     ROUTER_ADMIN_PORT_OFFSET,
     router_admin_port,
 )
@@ -77,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds a client may read nothing of its answer before it is cut off (0: never)")
     p.add_argument("--max-requests-per-client", type=int, default=0,
                    help="requests at once per client IP, queued ones included; past it 429 (0: no limit)")
+    p.add_argument("--epp-port", type=int, default=0,
+                   help="serve a gateway's Endpoint Picker (Envoy ext-proc over gRPC, GIE's protocol) on this "
+                        f"port beside the HTTP front (GIE's EPP uses {EPP_PORT}); 0: off")
+    p.add_argument("--epp-fallbacks", type=int, default=0,
+                   help="the EPP names the picked endpoint and up to this many others, comma-separated, for a "
+                        "gateway that retries down the list (plain Envoy's ORIGINAL_DST takes one: keep 0)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_run)
 
@@ -126,7 +133,8 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         worker_api_key=_env(args.worker_api_key, ENV_WORKER_API_KEY), worker_url_allow=tuple(args.worker_url_allow),
         stream_send_timeout=args.stream_send_timeout, max_requests_per_client=args.max_requests_per_client,
         kv_events_port=args.kv_events_port, kv_events_port_offset=args.kv_events_port_offset,
-        kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic, **kw)
+        kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
+        epp_port=args.epp_port, epp_fallbacks=args.epp_fallbacks, **kw)
 
 
 def _env(flag: str | None, name: str) -> str | None:

@@ -59,6 +59,10 @@ class RouterConfig:
     kv_events_port_offset: int | None = None
     kv_events_replay: bool = False
     kv_events_topic: str = ""
+    # The Endpoint Picker (router/epp/): Envoy's ext-proc on this port (0: off), the picked
+    # endpoint followed by up to epp_fallbacks others (a gateway retries down the list).
+    epp_port: int = 0
+    epp_fallbacks: int = 0
 
     def __post_init__(self) -> None:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
@@ -72,6 +76,10 @@ class RouterConfig:
             raise ValueError(f"--kv-events-port must be in 1..65534, got {self.kv_events_port}")
         if self.kv_events_port_offset is not None and not -65535 < self.kv_events_port_offset < 65535:
             raise ValueError("--kv-events-port-offset must be within -65534..65534")
+        if not 0 <= self.epp_port <= 65535 or self.epp_port and self.epp_port in (self.port, self.admin_port):
+            raise ValueError(f"--epp-port {self.epp_port}: a free port other than the HTTP and admin ports")
+        if not 0 <= self.epp_fallbacks <= 8:
+            raise ValueError("--epp-fallbacks must be in 0..8")
         if self.capacity_wait < 0 or self.max_capacity_waiters < 0:
             raise ValueError("capacity_wait and max_capacity_waiters must be >= 0")
         if self.stream_send_timeout < 0 or self.max_requests_per_client < 0:

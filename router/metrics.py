@@ -44,6 +44,12 @@ class RouterMetrics:
                                   ["worker", "role"], registry=r)
         self.pd_decisions = Counter("tandem_router_pd_decisions", "PD mode: disaggregated, or decode alone",
                                     ["decision"], registry=r)
+        self.epp_decisions = Counter("tandem_router_epp_decisions",
+                                     "Endpoint Picker answers: picked, or the status it answered instead",
+                                     ["outcome"], registry=r)
+        self.epp_seconds = Histogram("tandem_router_epp_decision_seconds",
+                                     "Endpoint Picker: the request's last byte in to its route out",
+                                     buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0), registry=r)
         self.cache_hits = Counter("tandem_router_cache_aware_hits", "cache_aware picks by prefix match", registry=r)
         self.cache_misses = Counter("tandem_router_cache_aware_misses", "cache_aware picks by load", registry=r)
         self.matched_tokens = Counter("tandem_router_estimated_cached_tokens",

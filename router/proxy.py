@@ -60,6 +60,9 @@ class Job:
     # Returns once the client has gone; set for streams, whose wait for capacity nothing else cancels.
     disconnected: Callable[[], Awaitable[Any]] | None = None
     raw: bytes | None = None  # the client's body as it came, when `body` is it unchanged: sent as is
+    # Worker URLs it may go to, None: any. A gateway's subset hint (router/epp/) narrows the pool
+    # strictly: a request is never sent outside it, even when nothing in it is eligible.
+    only: frozenset[str] | None = None
 
     def payload(self, body: dict[str, Any]) -> bytes:
         """`body` as bytes for a worker: the client's own bytes when it is the body they became."""
@@ -127,8 +130,10 @@ class Proxy:
         raise ApiError(*last)
 
     # ---- choice ---------------------------------------------------------------------------------
-    def _candidates(self, role: str, tried: set[str]) -> list[Worker]:
+    def _candidates(self, role: str, tried: set[str], only: frozenset[str] | None = None) -> list[Worker]:
         pool = self.workers.eligible(role)
+        if only is not None:
+            pool = [w for w in pool if w.url in only]
         fresh = [w for w in pool if w.url not in tried]
         return fresh or pool  # a retry prefers another worker, but one left is still one
 
@@ -139,11 +144,11 @@ class Proxy:
     def _route(self, job: Job, tried: set[str]) -> Route | str:
         """A route, or the role that has no eligible worker for this request."""
         if not self.pd_mode():
-            pool = self._candidates(COLOCATED, tried) or self._candidates(DECODE, tried)
+            pool = self._candidates(COLOCATED, tried, job.only) or self._candidates(DECODE, tried, job.only)
             if not pool:
                 return COLOCATED
             return Route(self._pick(COLOCATED, pool, job.ids)[0], job.body)
-        decodes = self._candidates(DECODE, tried)
+        decodes = self._candidates(DECODE, tried, job.only)
         if not decodes:
             return DECODE
         prefills = [p for p in self._candidates(PREFILL, tried) if p.bootstrap_port is not None]

@@ -169,15 +169,20 @@ async def ready(request: Request) -> Response:
     Holding for capacity (--capacity-wait > 0), ready with no worker at all: a request that
     arrives is held while the operator scales up from zero, and without readiness the Service
     would have no endpoint, so no request, so no demand to scale on."""
-    state = _state(request)
+    why = readiness(_state(request))
+    return Response(status_code=200) if why is None else error_response(503, why)
+
+
+def readiness(state: Any) -> str | None:
+    """Why the router cannot serve a request now, or None (its HTTP front's and EPP's readiness)."""
     if state.draining:
-        return error_response(503, "draining")
+        return "draining"
     ws = state.workers
     if state.proxy.capacity.enabled:
-        return Response(status_code=200)
+        return None
     if ws.eligible(COLOCATED) or (ws.eligible(DECODE) and (PREFILL not in ws.roles() or ws.eligible(PREFILL))):
-        return Response(status_code=200)
-    return error_response(503, "no healthy worker")
+        return None
+    return "no healthy worker"
 
 
 @router.get("/metrics")

@@ -65,6 +65,9 @@ def bootstrap_port_for(port: int) -> int:
 ADMIN_PORT, ROUTER_ADMIN_PORT = worker_admin_port(HTTP_PORT), router_admin_port(HTTP_PORT)
 BOOTSTRAP_PORT = bootstrap_port_for(HTTP_PORT)
 KV_PORT_NAME = "kv"  # the first of TANDEM_KV_PORT_COUNT ports from TANDEM_KV_PORT_BASE
+# The router's Endpoint Picker (Envoy ext-proc over gRPC, `tandem router --epp-port`): GIE's own
+# EPP listens on 9002, so an InferencePool written by hand for GIE's EPP needs no change of port.
+EPP_PORT, EPP_PORT_NAME = 9002, "grpc-epp"
 
 # ---- labels ----
 # A hash of what makes prefill and decode compatible (image, model, engine config): the router

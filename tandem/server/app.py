@@ -20,6 +20,7 @@ from tandem.server import admin_routes, chat_routes, generate_routes, openai_rou
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
+from tandem.server.prefiller_header import PrefillerHeader
 from tandem.server.runtime import Runtime
 from tandem.server.start_failure import reporting_lifespan
 from tandem.server.tokens import Tokens
@@ -91,6 +92,8 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
     errors.install(app)
     for r in (openai_routes.router, chat_routes.router, generate_routes.router, admin_routes.router):
         app.include_router(r)
+    if config.role == DECODE:  # behind a gateway's EPP: the prefill it paired comes in a header
+        app.add_middleware(PrefillerHeader, peers=config.engine.pd_prefill_peers, api_key=config.api_key)
     app.add_middleware(JsonBodies)  # inside the guard: a body is checked once it is let in
     app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
                        admin_key=config.admin_key, admin_port=config.admin_port)
