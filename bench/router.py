@@ -3,6 +3,7 @@
     python bench/router.py overhead --rounds 3     # fake workers (bench/fake_worker.py)
     python bench/router.py cache --rounds 2        # 4 real tiny workers
     python bench/router.py events --rounds 2       # cache_aware vs kv_events, 4 workers under eviction
+    python bench/router.py epp --rounds 3          # the EPP behind a real Envoy vs the router, fake workers
 
 overhead: two fake workers (TTFT 20 ms, 16 tokens 5 ms apart). Sequential /generate
     requests straight to a worker and through each router, interleaved (direct, one router,
@@ -20,6 +21,13 @@ events: our router's cache_aware (its estimate of each worker's cache) against k
     publishing events, with pools small enough (--pool tokens) that the tenants' prompts do not
     all fit: an estimate then believes in prefixes the worker has evicted. 16 tenants, 192
     requests, 8 at a time; the same hit rate and load balance as `cache`.
+
+epp: the Endpoint Picker's cost beside the router's, on the same two fake workers. Sequential
+    /generate requests, interleaved: straight to a worker; through `tandem router`; through Envoy
+    with no EPP (a static route to one worker); through Envoy asking our EPP (full duplex, GIE's
+    mode). Router overhead = router - direct; EPP decision overhead = Envoy+EPP - plain Envoy
+    (the ext-proc round trips and the pick; Envoy's own proxying is in both), with the answer
+    shown to the EPP (GIE's configuration) and without it (request phases only).
 
 Rounds alternate the routers; results go to docs/results/router_<experiment>.json.
 """
@@ -156,6 +164,49 @@ def overhead(args: argparse.Namespace) -> dict:
             "requests": args.requests, "load": args.load, "concurrency": args.concurrency}
 
 
+def epp(args: argparse.Namespace) -> dict:
+    from envoy_gateway import envoy
+
+    ports = [free_port() for _ in range(2)]
+    fakes = [subprocess.Popen([sys.executable, str(ROOT / "bench/fake_worker.py"), "--port", str(p)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    epp_port = free_port()
+    rows = []
+    try:
+        for u in urls:
+            _wait(u)
+        ours = Worker(["router", "--model", args.model, "--policy", "round_robin", "--workers", *urls,
+                       "--log-level", "warning", "--epp-port", str(epp_port)]).wait_ready()
+        try:
+            with envoy(epp_port) as gateway, envoy(0, plain_to=ports[0]) as plain, \
+                    envoy(epp_port, response=False) as lean:
+                for r in range(args.rounds):
+                    order = [("router", ours.url), ("envoy_epp", gateway), ("envoy_epp_request_only", lean)]
+                    order = order[:: 1 if r % 2 == 0 else -1]
+                    row = asyncio.run(_latencies({"direct": urls[0], "envoy": plain, **dict(order)}, args.requests))
+                    p50 = {k: 1e3 * _pct(v, 0.5) for k, v in row.items()}
+                    p99 = {k: 1e3 * _pct(v, 0.99) for k, v in row.items()}
+                    summary = {"round": r, "router_added_p50_ms": p50["router"] - p50["direct"],
+                               "router_added_p99_ms": p99["router"] - p99["direct"],
+                               "envoy_added_p50_ms": p50["envoy"] - p50["direct"],
+                               "epp_added_p50_ms": p50["envoy_epp"] - p50["envoy"],
+                               "epp_added_p99_ms": p99["envoy_epp"] - p99["envoy"],
+                               "epp_request_only_added_p50_ms": p50["envoy_epp_request_only"] - p50["envoy"]}
+                    summary["epp_vs_router_p50"] = summary["epp_added_p50_ms"] / summary["router_added_p50_ms"]
+                    rows.append(summary)
+                    print(json.dumps({k: round(v, 3) for k, v in summary.items()}), flush=True)
+        finally:
+            ours.stop()
+    finally:
+        for f in fakes:
+            f.terminate()
+            f.wait(20)
+    keys = [k for k in rows[0] if k != "round"]
+    return {"rounds": rows, "median": {k: statistics.median(r[k] for r in rows) for k in keys},
+            "requests": args.requests}
+
+
 def _tenant_workload(seed: int, tenants: int = 8, requests: int = 128) -> list[str]:
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(2000)]
@@ -259,7 +310,7 @@ def events(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["overhead", "cache", "events"])
+    ap.add_argument("experiment", choices=["overhead", "cache", "events", "epp"])
     ap.add_argument("--pool", type=int, default=2048, help="events: each worker's KV pool, in tokens")
     ap.add_argument("--model", default=None, help="model directory (its tokenizer; cache: the workers' model)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -273,7 +324,7 @@ def main() -> None:
         from tandem.engine.modelgen.resolve import resolve_model
 
         args.model = str(resolve_model("tiny"))
-    result = {"overhead": overhead, "cache": cache, "events": events}[args.experiment](args)
+    result = {"overhead": overhead, "cache": cache, "events": events, "epp": epp}[args.experiment](args)
     out = Path(args.out) if args.out else ROOT / "docs/results" / f"router_{args.experiment}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["median"], indent=1))

@@ -27,6 +27,8 @@ PLURALS = {
     "ConfigMap": "configmaps",
     "Deployment": "deployments",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "HTTPRoute": "httproutes",
+    "InferencePool": "inferencepools",
     "NetworkPolicy": "networkpolicies",
     "Pod": "pods",
     "PodDisruptionBudget": "poddisruptionbudgets",

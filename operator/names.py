@@ -16,6 +16,10 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAME = "tisvc"
 
+# The Gateway API Inference Extension's pool and Gateway API's route (render/gateway.py).
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+HTTP_ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
+
 FIELD_MANAGER = "tandem-operator"
 MANAGED_BY = "tandem-operator"
 APP_NAME = "tandem"
@@ -31,6 +35,10 @@ BOOTSTRAP_PORT = contract.BOOTSTRAP_PORT
 ENGINE_CONFIG_DIR = contract.ENGINE_CONFIG_DIR
 ENGINE_CONFIG_FILE = contract.ENGINE_CONFIG_FILE
 MODEL_MOUNT = contract.MODEL_MOUNT
+
+# The router's Endpoint Picker listener (spec.gateway; the port is the CR's, this the default).
+EPP_PORT = contract.EPP_PORT
+EPP_PORT_NAME = contract.EPP_PORT_NAME
 
 HEALTH_PATH = contract.HEALTH_PATH
 READY_PATH = contract.READY_PATH
@@ -83,6 +91,15 @@ def generation_name(instance: str, role: str, generation: str) -> str:
 
 def router_service_name(instance: str) -> str:
     # The client-facing Service carries the plain CR name, so the URL reads naturally.
+    return instance
+
+
+def inference_pool_name(instance: str) -> str:
+    # Named like the router Service: one service, one pool; the kinds differ, so the names never clash.
+    return instance
+
+
+def http_route_name(instance: str) -> str:
     return instance
 
 

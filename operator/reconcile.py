@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.operator import names
 from tandem.operator.render.engine_configmap import engine_configmap
+from tandem.operator.render.gateway import gateway_children
 from tandem.operator.render.network import (
     disruption_budget,
     generation_prefill_service,
@@ -40,7 +41,17 @@ CHILD_KINDS = (
     ("policy/v1", "PodDisruptionBudget"),
     (names.API_VERSION, "RoleScaler"),
     ("apps/v1", "Deployment"),
+    # Last: kinds whose CRDs a cluster may lack (OPTIONAL_KINDS), so a missing one never holds up
+    # the pods; the route after the pool it points at.
+    (names.INFERENCE_POOL_API_VERSION, "InferencePool"),
+    (names.HTTP_ROUTE_API_VERSION, "HTTPRoute"),
 )
+# Children of CRDs outside Kubernetes (GIE's, Gateway API's): without them in the cluster, sync.py
+# reports a condition and reconciles the rest, rather than failing the whole service.
+OPTIONAL_KINDS = frozenset({
+    (names.INFERENCE_POOL_API_VERSION, "InferencePool"),
+    (names.HTTP_ROUTE_API_VERSION, "HTTPRoute"),
+})
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,7 @@ def desired_children(svc: ServiceSpec, replicas: RoleReplicas, generation: str, 
     children += [worker_deployment(svc, names.PREFILL, new[0], generation),
                  worker_deployment(svc, names.DECODE, new[1], generation)]
     children.append(router_deployment(svc, replicas.router))
+    children += gateway_children(svc)
     if not policy.allow_host_access:  # after the template merge: no override keeps a privilege (security/harden.py)
         children = [harden_deployment(c) if c["kind"] == "Deployment" else c for c in children]
     order = {kind: pos for pos, kind in enumerate(CHILD_KINDS)}

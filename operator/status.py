@@ -39,8 +39,8 @@ class Measured:
 class ClusterView:
     """What sync saw beyond the role counts: the current generation, the old ones still holding
     pods, the worker Deployments, problems read off the pods (crash loops), failing worker
-    containers with their termination messages (worker_failures.py), and autoscalers that
-    would fight the operator (role_scaler.hpa_conflicts)."""
+    containers with their termination messages (worker_failures.py), autoscalers that would
+    fight the operator (role_scaler.hpa_conflicts), and child kinds the cluster has no CRD for."""
 
     generation: str = ""
     old: tuple[tuple[str, tuple[int, int]], ...] = ()
@@ -48,6 +48,7 @@ class ClusterView:
     pod_problems: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
     worker_failures: tuple[WorkerFailure, ...] = ()
+    missing_kinds: tuple[tuple[str, str], ...] = ()  # (apiVersion, kind) of children with no CRD in the cluster
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -155,6 +156,30 @@ def _progress_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict
     return progressing, Condition("Degraded", "False", "AsExpected", "")
 
 
+# What to install for a missing CRD, and what to remove from the spec instead.
+_CRD_ADVICE = {
+    "InferencePool": ("the Gateway API Inference Extension's CRDs", "spec.gateway"),
+    "HTTPRoute": ("the Gateway API CRDs", "spec.gateway.httpRoute"),
+}
+
+
+def gateway_condition(svc: ServiceSpec, missing_kinds: tuple[tuple[str, str], ...]) -> Condition:
+    """GatewayConfigured: True once the InferencePool (and HTTPRoute) are applied. Whether a Gateway
+    accepted them is the Gateway controller's to say, in the InferencePool's own status."""
+    kind = "GatewayConfigured"
+    if svc.gateway is None:
+        return Condition(kind, "False", "Disabled", "spec.gateway is unset or its inferencePool is not enabled")
+    if missing_kinds:
+        gaps = [f"the cluster has no {api_version} {k} CRD; install {_CRD_ADVICE[k][0]} or remove {_CRD_ADVICE[k][1]}"
+                for api_version, k in missing_kinds if k in _CRD_ADVICE]
+        return Condition(kind, "False", "GatewayUnavailable", "; ".join(gaps))
+    made = f"InferencePool {names.inference_pool_name(svc.name)}"
+    if svc.gateway.route is not None:
+        made += f" and HTTPRoute {names.http_route_name(svc.name)}"
+    return Condition(kind, "True", "Applied", f"{made} applied; the router's Endpoint Picker listens on port "
+                                             f"{svc.gateway.epp_port}")
+
+
 def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],
                      measured: Measured, scaling: ScalingReport, view: ClusterView | None = None) -> list[Condition]:
     view = view or ClusterView()
@@ -164,6 +189,7 @@ def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str
         roles[names.PREFILL], roles[names.DECODE], roles[names.ROUTER],
         _ready_condition(roles, measured), progressing, degraded, workers_failing(view.worker_failures),
         Condition("ScalingActive", "True" if scaling.active else "False", scaling.reason, scaling.message),
+        gateway_condition(svc, view.missing_kinds),
     ]
 
 

@@ -5,6 +5,8 @@
 
 Errors: an invalid spec or a rejected manifest gives a Degraded status and
 kopf.PermanentError; conflicts, throttling and API outages give kopf.TemporaryError.
+A child whose CRD the cluster lacks (the gateway's: reconcile.OPTIONAL_KINDS) is skipped and
+named in the GatewayConfigured condition; everything else still applies.
 The status to write is returned even when an error follows, so the caller can
 patch it before raising.
 """
@@ -27,7 +29,7 @@ from tandem.operator import names
 from tandem.operator.child_meta import is_owned_by
 from tandem.operator.conditions import Condition, merge_conditions
 from tandem.operator.kubeapi import ApiError, KubeApi
-from tandem.operator.reconcile import CHILD_KINDS, RoleReplicas, desired_children, desired_replicas
+from tandem.operator.reconcile import CHILD_KINDS, OPTIONAL_KINDS, RoleReplicas, desired_children, desired_replicas
 from tandem.operator.rollout import generation_deployments as gens
 from tandem.operator.rollout.generation_hash import generation_of
 from tandem.operator.rollout.step import GenCounts, Step, step
@@ -88,14 +90,34 @@ def _fingerprint(children: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(children, sort_keys=True).encode()).hexdigest()
 
 
+def _kind(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["apiVersion"], obj["kind"]
+
+
+def _no_crd(exc: ApiError, kind: tuple[str, str]) -> bool:
+    """The API server has no such resource: for an apply (which creates what is absent) or a list,
+    a 404 can mean nothing else. Only the optional kinds may be missing; a core kind's 404 is an error."""
+    return exc.status == 404 and kind in OPTIONAL_KINDS
+
+
 async def _apply_all(api: KubeApi, children: list[dict[str, Any]], memory: ServiceMemory,
                      force: bool) -> None:
     fingerprint, now = _fingerprint(children), time.monotonic()
-    if not force and fingerprint == memory.applied and now - memory.applied_at < RESYNC_S:
-        return
-    for child in children:
-        await api.apply(child)
-    memory.applied, memory.applied_at = fingerprint, now
+    fresh = not force and fingerprint == memory.applied and now - memory.applied_at < RESYNC_S
+    # A kind whose CRD was missing is tried on every pass, so installing the CRDs heals the
+    # service without an edit; otherwise an unchanged set is not re-applied until RESYNC_S.
+    todo = [c for c in children if not fresh or _kind(c) in memory.missing_kinds]
+    missing: dict[tuple[str, str], None] = {}
+    for child in todo:
+        try:
+            await api.apply(child)
+        except ApiError as exc:
+            if not _no_crd(exc, _kind(child)):
+                raise
+            missing[_kind(child)] = None  # the rest still applies; status says what is missing
+    memory.missing_kinds = tuple(missing)
+    if not fresh:
+        memory.applied, memory.applied_at = fingerprint, now
 
 
 async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
@@ -106,7 +128,13 @@ async def prune(api: KubeApi, svc: ServiceSpec, children: list[dict[str, Any]],
     wanted |= {(kind, name) for g in draining for _, kind, name in g.children(svc.name)}
     removed = []
     for api_version, kind in CHILD_KINDS:
-        for obj in await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name)):
+        try:
+            found = await api.list(api_version, kind, svc.namespace, names.selector_labels(svc.name))
+        except ApiError as exc:
+            if not _no_crd(exc, (api_version, kind)):
+                raise
+            continue  # no CRD, so nothing of that kind to prune
+        for obj in found:
             name = obj["metadata"]["name"]
             if (kind, name) not in wanted and is_owned_by(obj, svc.uid):
                 await api.delete(api_version, kind, svc.namespace, name)
@@ -254,7 +282,8 @@ async def _sync(cr: dict[str, Any], api: KubeApi, http: httpx.AsyncClient, memor
             observed, view = await _observe(api, svc, current)
         await role_scaler.write_scalers(api, svc, scalers, {names.PREFILL: replicas.prefill,
                                                             names.DECODE: replicas.decode}, observed)
-        view = replace(view, conflicts=tuple(role_scaler.hpa_conflicts(svc, await _hpas(api, svc))))
+        view = replace(view, conflicts=tuple(role_scaler.hpa_conflicts(svc, await _hpas(api, svc))),
+                       missing_kinds=memory.missing_kinds)
     except ApiError as exc:
         if exc.transient:
             raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_DELAY_S) from exc

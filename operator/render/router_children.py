@@ -32,8 +32,30 @@ def router_command(svc: ServiceSpec) -> list[str]:
         model_name=svc.model.served_name,
         prefill_selector=names.selector_string(names.selector_labels(svc.name, names.PREFILL)),
         decode_selector=names.selector_string(names.selector_labels(svc.name, names.DECODE)),
-        extra=tuple(svc.router.extra_args),
+        # The Endpoint Picker listener, only with spec.gateway (extraArgs may not set it: sections.py).
+        extra=(*_epp_args(svc), *svc.router.extra_args),
     ))
+
+
+def _epp_args(svc: ServiceSpec) -> tuple[str, ...]:
+    return ("--epp-port", str(svc.gateway.epp_port)) if svc.gateway is not None else ()
+
+
+def _epp_port(svc: ServiceSpec) -> list[dict[str, Any]]:
+    """The EPP's container port, for the router Service's targetPort."""
+    if svc.gateway is None:
+        return []
+    return [{"name": names.EPP_PORT_NAME, "containerPort": svc.gateway.epp_port, "protocol": "TCP"}]
+
+
+def _epp_service_port(svc: ServiceSpec) -> list[dict[str, Any]]:
+    if svc.gateway is None:
+        return []
+    # ext-proc is gRPC, so HTTP/2 in clear text. "http2" is what GIE's own conformance EPP Services
+    # declare, so every conformant gateway reads it; the port name's "grpc-" prefix says the same to
+    # meshes that go by names (Istio).
+    return [{"name": names.EPP_PORT_NAME, "port": svc.gateway.epp_port, "targetPort": names.EPP_PORT_NAME,
+             "protocol": "TCP", "appProtocol": "http2"}]
 
 
 def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
@@ -43,7 +65,7 @@ def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
         "image": spec.image,
         "imagePullPolicy": svc.image_pull_policy,
         "command": router_command(svc),
-        "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}, *_epp_port(svc)],
         "env": downward_env() + router_secret_env(svc.api_key),
         "resources": with_requests(spec.resources, ROUTER_REQUESTS),
         "livenessProbe": http_probe(names.HEALTH_PATH, 10, 3, 3),
@@ -68,7 +90,7 @@ def router_service(svc: ServiceSpec) -> dict[str, Any]:
             "type": svc.router.service_type,
             "selector": names.selector_labels(svc.name, names.ROUTER),
             "ports": [{"name": "http", "port": svc.router.service_port, "targetPort": "http",
-                       "protocol": "TCP"}],
+                       "protocol": "TCP"}, *_epp_service_port(svc)],
         },
     }
 

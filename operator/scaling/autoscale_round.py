@@ -34,6 +34,8 @@ class ServiceMemory:
     last_decision: str = ""
     applied: str = ""  # fingerprint of the children last applied, and when (monotonic seconds)
     applied_at: float = 0.0
+    # (apiVersion, kind) of children the last apply found no CRD for (reconcile.OPTIONAL_KINDS)
+    missing_kinds: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ stand-in, so one pass reports every problem of a spec at once."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 # Upper bounds the operator enforces itself, not only through the CRD schema (a CR can reach
@@ -33,3 +35,30 @@ def _choice(value: Any, choices: tuple[str, ...], where: str, errors: list[str])
         return value
     errors.append(f"{where} must be one of {list(choices)}, got {str(value)[:64]!r}")
     return None
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """A Kubernetes name format: the schema's `pattern` and `maxLength`, and the words an error uses."""
+
+    pattern: str
+    max_length: int
+    what: str
+
+
+DNS_LABEL = NameRule(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", 63, "a DNS label (lowercase letters, digits and '-')")
+DNS_SUBDOMAIN = NameRule(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", 253,
+                         "a DNS subdomain (DNS labels joined by '.')")
+# Gateway API's Hostname: a DNS subdomain, or one under a leading wildcard label ("*.example.com").
+HOSTNAME = NameRule(r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", 253,
+                    "a hostname such as llm.example.com or *.example.com")
+
+
+def _name(value: Any, rule: NameRule, where: str, errors: list[str]) -> str | None:
+    """`value` when it is a string of the rule's format, None for an absent one; else an error."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > rule.max_length or not re.fullmatch(rule.pattern, value):
+        errors.append(f"{where} must be {rule.what}, at most {rule.max_length} characters, got {str(value)[:64]!r}")
+        return None
+    return value

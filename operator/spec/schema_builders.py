@@ -47,7 +47,7 @@ def number(minimum: float | None = None, maximum: float | None = None, default: 
 
 
 def string(*, enum: tuple[str, ...] = (), default: str | None = None, max_length: int | None = None,
-           min_length: int | None = None, desc: str = "") -> Schema:
+           min_length: int | None = None, pattern: str | None = None, desc: str = "") -> Schema:
     out: Schema = {"type": "string"}
     if enum:
         out["enum"] = list(enum)
@@ -57,6 +57,8 @@ def string(*, enum: tuple[str, ...] = (), default: str | None = None, max_length
         out["maxLength"] = max_length
     if min_length is not None:
         out["minLength"] = min_length
+    if pattern is not None:
+        out["pattern"] = pattern
     if desc:
         out["description"] = desc
     return out

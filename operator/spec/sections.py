@@ -132,7 +132,8 @@ def _gpu_limit(resources: dict[str, Any]) -> int | None:
 # would leave a pod that the Service misses or whose drain calls the wrong admin port.
 OWNED_FLAGS = {
     names.ROUTER: ("--host", "--port", "--admin-port", "--model", "--model-name", "--namespace", "--selector",
-                   "--prefill-selector", "--decode-selector", "--workers", "--prefill", "--decode"),
+                   "--prefill-selector", "--decode-selector", "--workers", "--prefill", "--decode",
+                   "--epp-port"),  # from spec.gateway: the InferencePool and router Service name its port
     "worker": ("--role", "--model", "--served-model-name", "--host", "--port", "--bootstrap-port", "--admin-port",
                "--config"),
 }
@@ -143,7 +144,8 @@ def _check_extra_args(role: str, args: tuple[str, ...], errors: list[str]) -> No
     clash = sorted({a.split("=", 1)[0] for a in args} & set(owned))
     if clash:
         errors.append(f"spec.{role}.extraArgs may not set {', '.join(clash)}: the operator sets "
-                      f"{'it' if len(clash) == 1 else 'them'} for the Services, probes and drain")
+                      f"{'it' if len(clash) == 1 else 'them'} for the Services, probes and drain"
+                      + ("; the EPP port is spec.gateway.inferencePool.eppPort" if "--epp-port" in clash else ""))
 
 
 def parse_role(role: str, raw: dict[str, Any], image: str, errors: list[str]) -> RoleSpec:

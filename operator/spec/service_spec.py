@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator import names
+from tandem.operator.spec.gateway import GatewaySpec, parse_gateway
 from tandem.operator.spec.model_source import ModelSource, parse_model
 from tandem.operator.spec.schema_defaults import default_spec
 from tandem.operator.spec.secret_ref import SecretKeyRef, parse_secret_ref
@@ -59,6 +60,7 @@ class ServiceSpec:
 
     role_rollouts: dict[str, Rollout]  # per worker role, spec.rollout with the role's overrides
     api_key: SecretKeyRef | None = None  # spec.apiKeySecretRef: workers and router require this key
+    gateway: GatewaySpec | None = None  # spec.gateway with its InferencePool on, else None
 
     def role(self, role: str) -> RoleSpec:
         return {names.PREFILL: self.prefill, names.DECODE: self.decode, names.ROUTER: self.router}[role]
@@ -104,6 +106,7 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
     api_key = parse_secret_ref(spec.get("apiKeySecretRef"), "spec.apiKeySecretRef", errors)
+    gateway = parse_gateway(spec.get("gateway"), roles[names.ROUTER].service_port, errors)
     if model is not None:
         errors += tp_problems(model.heads, {r: roles[r].tensor_parallel_size for r in names.WORKER_ROLES})
     role_rollouts = {
@@ -131,4 +134,5 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
         rollout=rollout,
         role_rollouts=role_rollouts,
         api_key=api_key,
+        gateway=gateway,
     )

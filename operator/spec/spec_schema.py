@@ -9,6 +9,7 @@ Objects that carry nested defaults default to `{}` so that those nested defaults
 from __future__ import annotations
 
 from tandem import worker_contract as contract
+from tandem.operator.spec.field_checks import DNS_LABEL, DNS_SUBDOMAIN, HOSTNAME, NameRule
 from tandem.operator.spec.schema_builders import (
     Schema,
     boolean,
@@ -220,6 +221,49 @@ API_KEY_SECRET_REF = obj(
     "it as env TANDEM_API_KEY, and the router sends it to the workers. Unset: no key is required.",
 )
 
+
+def _named(rule: NameRule, desc: str) -> Schema:
+    return string(min_length=1, max_length=rule.max_length, pattern=rule.pattern, desc=desc)
+
+
+# GIE's EndpointPickerFailureMode; FailClose is its default as well.
+FAILURE_MODES = ("FailClose", "FailOpen")
+MAX_HOSTNAMES = 16  # as Gateway API's HTTPRoute allows
+
+GATEWAY = obj(
+    {
+        "inferencePool": obj({
+            "enabled": boolean(True, "Render an InferencePool (inference.networking.k8s.io/v1) named after the "
+                                     "service, selecting its decode pods, with the router as its Endpoint Picker."),
+            "eppPort": integer(1, 65535, contract.EPP_PORT, "The router's Endpoint Picker (Envoy ext-proc, gRPC) "
+                               "port: `tandem router --epp-port`, on the router pods and the router Service."),
+            "failureMode": string(enum=FAILURE_MODES, default="FailClose", desc=(
+                "What the gateway does while the Endpoint Picker does not answer: FailClose refuses the "
+                "request, FailOpen sends it to a pod of the gateway's own choosing.")),
+        }, default={}),
+        "httpRoute": obj({
+            "parentRef": obj({
+                "name": _named(DNS_SUBDOMAIN, "The Gateway's name."),
+                "namespace": _named(DNS_LABEL, "The Gateway's namespace; unset: this InferenceService's. "
+                                    "Its listener must allow routes from this namespace."),
+                "sectionName": _named(DNS_SUBDOMAIN, "One listener of the Gateway; unset: every listener."),
+            }, required=("name",)),
+            "hostnames": {"type": "array", "maxItems": MAX_HOSTNAMES, "x-kubernetes-list-type": "atomic",
+                          "items": _named(HOSTNAME, "e.g. llm.example.com or *.example.com"),
+                          "description": "Host headers the route matches; unset: those of the listener."},
+        }, required=("parentRef",), desc=(
+            "Also render an HTTPRoute (gateway.networking.k8s.io/v1) named after the service, from this "
+            "Gateway to the InferencePool, for every path.")),
+    },
+    rules=((
+        "!has(self.httpRoute) || self.inferencePool.enabled",
+        "gateway.httpRoute needs gateway.inferencePool.enabled: the route's backend is the InferencePool",
+    ),),
+    desc=("Serve through a Gateway API Inference Extension gateway: the gateway sends each request to the "
+          "decode pod the router's Endpoint Picker names. Unset: no gateway objects. Needs GIE's CRDs "
+          "(and Gateway API's for httpRoute) in the cluster."),
+)
+
 SPEC_SCHEMA = obj(
     {
         "model": MODEL,
@@ -235,6 +279,7 @@ SPEC_SCHEMA = obj(
         "autoscaling": AUTOSCALING,
         "slo": SLO,
         "rollout": ROLLOUT,
+        "gateway": GATEWAY,
     },
     required=("model", "image"),
 )

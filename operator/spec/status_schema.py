@@ -6,7 +6,7 @@ from typing import Any
 
 CONDITION_TYPES = (
     "PrefillReady", "DecodeReady", "RouterReady", "Ready", "Progressing", "Degraded", "WorkersFailing",
-    "ScalingActive", "SpecWarnings",
+    "ScalingActive", "GatewayConfigured", "SpecWarnings",
 )
 
 _INT = {"type": "integer", "format": "int32"}

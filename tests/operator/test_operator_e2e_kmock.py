@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_support import EXAMPLES_DIR, REPO, load_example
+from operator_support import EXAMPLES_DIR, REPO, container, load_example
 
 from tandem.operator.reconcile import reconcile
 
@@ -26,6 +26,8 @@ pytest.importorskip("kmock", reason="pip install kmock pytest-asyncio (operator-
 from operator_kmock import (  # noqa: E402
     CLUSTER_PEERING_RESOURCE,
     CR_RESOURCE,
+    HTTP_ROUTE_RESOURCE,
+    INFERENCE_POOL_RESOURCE,
     ROLESCALER_RESOURCE,
     KmockCluster,
     condition,
@@ -112,7 +114,7 @@ class Env:
         resources = ("v1/configmaps", "v1/services", "v1/serviceaccounts", DEPLOYMENTS,
                      "rbac.authorization.k8s.io/v1/roles", "rbac.authorization.k8s.io/v1/rolebindings",
                      "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
-                     ROLESCALER_RESOURCE)
+                     ROLESCALER_RESOURCE, INFERENCE_POOL_RESOURCE, HTTP_ROUTE_RESOURCE)
         return [c for r in resources for c in self.children(name, r)]
 
 
@@ -291,3 +293,82 @@ def test_operator_restart_midway_converges_without_duplicates(env: Env) -> None:
     cr = wait_for("autoscaler state",
                   lambda: (c := env.cr("e2e-restart")) and autoscaler(c).get("specReplicas") == 3 and c)
     assert cr["status"]["autoscaler"]["prefill"]["replicas"] == 3
+
+
+def _one(env: Env, name: str, resource: str) -> dict[str, Any] | None:
+    found = env.children(name, resource)
+    return found[0] if len(found) == 1 else None
+
+
+def _router(env: Env, name: str) -> tuple[list[str], list[int]]:
+    """The router container's command and its Service's port numbers."""
+    dep = env.deployment(name, "router")
+    (service,) = [s for s in env.children(name, "v1/services") if s["metadata"]["name"] == name]
+    return (container(dep)["command"] if dep else []), [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_gateway_section_create_update_and_remove(env: Env) -> None:
+    route = {"parentRef": {"name": "inference-gateway", "namespace": "gateways"}, "hostnames": ["llm.example.com"]}
+    env.create("inferenceservice-minimal.yaml", "e2e-gateway", gateway={"httpRoute": route})
+    pool = wait_for("InferencePool", lambda: _one(env, "e2e-gateway", INFERENCE_POOL_RESOURCE))
+    uid = env.cr("e2e-gateway")["metadata"]["uid"]  # type: ignore[index]
+    assert pool["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert pool["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway", "port": {"number": 9002},
+                                                 "failureMode": "FailClose"}
+    http_route = wait_for("HTTPRoute", lambda: _one(env, "e2e-gateway", HTTP_ROUTE_RESOURCE))
+    assert http_route["spec"]["rules"][0]["backendRefs"][0]["name"] == "e2e-gateway"
+    assert http_route["spec"]["parentRefs"][0]["namespace"] == "gateways"
+    cr = wait_for("GatewayConfigured", lambda: (c := env.cr("e2e-gateway"))
+                  and condition(c, "GatewayConfigured").get("status") == "True" and c)
+    assert condition(cr, "GatewayConfigured")["reason"] == "Applied"
+    command, ports = _router(env, "e2e-gateway")
+    assert command[command.index("--epp-port") + 1] == "9002" and ports == [80, 9002]
+
+    # Update: another port and failure mode reach the pool, the router's flag and its Service.
+    env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p",
+                json.dumps({"spec": {"gateway": {"inferencePool": {"eppPort": 9100, "failureMode": "FailOpen"}}}}))
+    wait_for("pool on 9100, FailOpen", lambda: (p := _one(env, "e2e-gateway", INFERENCE_POOL_RESOURCE))
+             and p["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway",
+                                                    "port": {"number": 9100}, "failureMode": "FailOpen"})
+    wait_for("router on 9100", lambda: _router(env, "e2e-gateway")[1] == [80, 9100])
+    command, _ = _router(env, "e2e-gateway")
+    assert command[command.index("--epp-port") + 1] == "9100"
+
+    # Removing the route deletes it and keeps the pool; removing the section deletes the pool.
+    env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p", '{"spec":{"gateway":{"httpRoute":null}}}')
+    wait_for("HTTPRoute deleted", lambda: env.children("e2e-gateway", HTTP_ROUTE_RESOURCE) == [])
+    assert _one(env, "e2e-gateway", INFERENCE_POOL_RESOURCE) is not None
+    env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p", '{"spec":{"gateway":null}}')
+    wait_for("InferencePool deleted", lambda: env.children("e2e-gateway", INFERENCE_POOL_RESOURCE) == [])
+    wait_for("router without the EPP", lambda: _router(env, "e2e-gateway")[1] == [80])
+    assert "--epp-port" not in _router(env, "e2e-gateway")[0]
+    wait_for("GatewayConfigured Disabled",
+             lambda: condition(env.cr("e2e-gateway"), "GatewayConfigured").get("reason") == "Disabled")
+    assert len(env.all_children("e2e-gateway")) == N
+
+
+def test_gateway_children_go_with_the_cr(env: Env) -> None:
+    env.create("inferenceservice-minimal.yaml", "e2e-gateway-gc", gateway={"httpRoute": {"parentRef": {"name": "gw"}}})
+    wait_for("pool and route", lambda: _one(env, "e2e-gateway-gc", INFERENCE_POOL_RESOURCE)
+             and _one(env, "e2e-gateway-gc", HTTP_ROUTE_RESOURCE))
+    env.kubectl("delete", "tisvc", "e2e-gateway-gc", "--wait=false")
+    wait_for("children collected", lambda: env.all_children("e2e-gateway-gc") == [])
+
+
+def test_a_cluster_without_the_gie_crd_gets_a_condition_not_a_crash(env: Env) -> None:
+    env.cluster.withhold(INFERENCE_POOL_RESOURCE)
+    try:
+        env.create("inferenceservice-minimal.yaml", "e2e-no-gie", gateway={})
+        cr = wait_for("GatewayUnavailable", lambda: (c := env.cr("e2e-no-gie"))
+                      and condition(c, "GatewayConfigured").get("reason") == "GatewayUnavailable" and c)
+        assert "no inference.networking.k8s.io/v1 InferencePool CRD" in condition(cr, "GatewayConfigured")["message"]
+        assert condition(cr, "Degraded").get("reason") != "ApplyFailed"
+        wait_for("the rest of the children", lambda: len(env.all_children("e2e-no-gie")) == N)
+        assert env.operator is not None and env.operator.poll() is None
+    finally:
+        env.cluster.withhold(INFERENCE_POOL_RESOURCE, False)
+    # Installing the CRD heals the service on a timer pass, with no edit of the CR.
+    wait_for("pool after the CRD appears", lambda: _one(env, "e2e-no-gie", INFERENCE_POOL_RESOURCE))
+    wait_for("GatewayConfigured True",
+             lambda: condition(env.cr("e2e-no-gie"), "GatewayConfigured").get("status") == "True")

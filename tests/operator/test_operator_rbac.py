@@ -41,6 +41,8 @@ USED: dict[Key, tuple[set[str], str]] = {
     ("rbac.authorization.k8s.io", "rolebindings"): (CHILD, "child"),
     ("policy", "poddisruptionbudgets"): (CHILD, "child"),
     ("networking.k8s.io", "networkpolicies"): (CHILD, "child"),
+    ("inference.networking.k8s.io", "inferencepools"): (CHILD, "child (spec.gateway); its CRD may be absent"),
+    ("gateway.networking.k8s.io", "httproutes"): (CHILD, "child (spec.gateway.httpRoute); its CRD may be absent"),
     ("", "pods"): ({"get", "list", "watch", "patch"},
                    "list: metrics and status; patch: pod-deletion-cost; get/watch: granted to the router"),
     ("autoscaling", "horizontalpodautoscalers"): ({"get", "list"}, "detect an HPA fighting the autoscaler"),

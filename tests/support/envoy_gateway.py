@@ -46,11 +46,11 @@ static_resources:
               message_timeout: 30s
               processing_mode:
                 request_header_mode: SEND
-                response_header_mode: SEND
+                response_header_mode: {response}
                 request_body_mode: {mode}
-                response_body_mode: {mode}
+                response_body_mode: {response_body}
                 request_trailer_mode: SEND
-                response_trailer_mode: SEND
+                response_trailer_mode: {response}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -77,17 +77,59 @@ static_resources:
 """
 
 
+PLAIN = """
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+static_resources:
+  listeners:
+  - name: plain
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: plain
+          route_config:
+            virtual_hosts:
+            - name: one
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: one, timeout: 300s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: one
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: one
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {target}}}}}}}
+"""
+
+
 def envoy_binary() -> str | None:
     return shutil.which("envoy")
 
 
 @contextmanager
-def envoy(epp_port: int, mode: str = "FULL_DUPLEX_STREAMED") -> Iterator[str]:
-    """Envoy in front of the EPP on `epp_port`, body mode `mode`; yields its URL, always stopped."""
+def envoy(epp_port: int, mode: str = "FULL_DUPLEX_STREAMED", plain_to: int | None = None,
+          response: bool = True) -> Iterator[str]:
+    """Envoy in front of the EPP on `epp_port`, body mode `mode` (or, with `plain_to`, no EPP:
+    every request to 127.0.0.1:plain_to, a benchmark's baseline; without `response`, the answer
+    is not shown to the EPP); yields its URL, always stopped."""
     port, admin = free_port(), free_port()
     files = os.environ.get(PROCESS_FILES)
     cfg = tempfile.NamedTemporaryFile("w", prefix="envoy-", suffix=".yaml", delete=False, dir=files)
-    cfg.write(CONFIG.format(admin=admin, port=port, epp=epp_port, mode=mode))
+    text = PLAIN.format(admin=admin, port=port, target=plain_to) if plain_to is not None else \
+        CONFIG.format(admin=admin, port=port, epp=epp_port, mode=mode, response="SEND" if response else "SKIP",
+                      response_body=mode if response else "NONE")
+    cfg.write(text)
     cfg.close()
     log = tempfile.NamedTemporaryFile(prefix="envoy-", suffix=".log", delete=False, dir=files)
     binary = envoy_binary()

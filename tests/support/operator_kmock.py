@@ -15,8 +15,9 @@ This subclass adds what kopf, kubectl and our operator rely on and kmock leaves 
 
 It still does no set-based selectors, strategic merge, schema validation or 409s; tests
 must not rely on those. Besides InferenceServices it serves RoleScalers and kopf's peering
-resources (kopf.dev/v1), so the operator runs with --peering as the chart runs it. The polling
-and /metrics helpers at the end are shared by the end-to-end tests.
+resources (kopf.dev/v1), so the operator runs with --peering as the chart runs it, and GIE's
+InferencePools and Gateway API's HTTPRoutes, either of which `withhold` turns into a missing CRD.
+The polling and /metrics helpers at the end are shared by the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import enums
+from kmock._internal.k8s import KubernetesResourceNotFoundError
 from operator_support import merge_patch
 from prometheus_client.parser import text_string_to_metric_families
 from waits import wait_until
@@ -50,6 +52,9 @@ ROLESCALER_RESOURCE = "tandem.dev/v1alpha1/rolescalers"
 # merge-patches them, which kmock does.
 CLUSTER_PEERING_RESOURCE = "kopf.dev/v1/clusterkopfpeerings"
 PEERING_RESOURCE = "kopf.dev/v1/kopfpeerings"
+# spec.gateway's children, from CRDs a real cluster may lack: `withhold` makes one answer 404.
+INFERENCE_POOL_RESOURCE = "inference.networking.k8s.io/v1/inferencepools"
+HTTP_ROUTE_RESOURCE = "gateway.networking.k8s.io/v1/httproutes"
 
 
 def selected(selector: str | None, obj: dict[str, Any]) -> bool:
@@ -67,6 +72,8 @@ def selected(selector: str | None, obj: dict[str, Any]) -> bool:
 @attrs.define(kw_only=True)
 class StampingEmulator(kmock.KubernetesEmulator):
     _rv: int = 0
+    # Resources served as if their CRD were not installed: every request gets a 404.
+    withheld: set[str] = attrs.field(factory=set)
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -81,6 +88,8 @@ class StampingEmulator(kmock.KubernetesEmulator):
         # kmock matches each request by scanning every request it has ever served, which turns
         # quadratic under an operator's steady traffic; only the current request matters here.
         del self._requests[:-8]
+        if request.resource is not None and str(request.resource) in self.withheld:
+            raise KubernetesResourceNotFoundError()
         data = request.data
         if request.resource is not None and isinstance(data, dict):
             key = (request.resource, request.namespace, request.name)
@@ -180,7 +189,9 @@ class KmockCluster:
                 subresources={"status", "scale"}, verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )
             for resource, kind, namespaced in ((CLUSTER_PEERING_RESOURCE, "ClusterKopfPeering", False),
-                                               (PEERING_RESOURCE, "KopfPeering", True)):
+                                               (PEERING_RESOURCE, "KopfPeering", True),
+                                               (INFERENCE_POOL_RESOURCE, "InferencePool", True),
+                                               (HTTP_ROUTE_RESOURCE, "HTTPRoute", True)):
                 emulator.resources[resource] = kmock.ResourceInfo(
                     kind=kind, singular=kind.lower(), namespaced=namespaced,
                     verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
@@ -229,6 +240,13 @@ class KmockCluster:
                     await bus.put(gone)
 
         self._call(put)
+
+    def withhold(self, resource: str, withheld: bool = True) -> None:
+        """Serve `resource` as a cluster without its CRD does (404 to everything), or again as usual."""
+        async def change(emulator: StampingEmulator) -> None:
+            (emulator.withheld.add if withheld else emulator.withheld.discard)(str(kmock.resource(resource)))
+
+        self._call(change)
 
     def lose(self, resource: str, namespace: str, name: str) -> None:
         """Delete an object without a DELETED event: what a client misses while its watch is down."""

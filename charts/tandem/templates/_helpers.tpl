@@ -78,6 +78,14 @@ and children are never watched.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "create", "patch", "delete"]
+# spec.gateway's children: the Gateway API Inference Extension's InferencePool and Gateway API's
+# HTTPRoute. Granted whether or not their CRDs are installed (RBAC names resources, not CRDs).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 # Pods: listed for metrics scraping, patched for the pod-deletion-cost annotation (and for nothing
 # else: templates/admission-policy.yaml); get/list/watch are also held because the router's Role
 # grants them, and RBAC forbids granting what one lacks.
