@@ -126,11 +126,15 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def overhead(args: argparse.Namespace) -> dict:
-    ports = [free_port() for _ in range(2)]
+def _fake_workers(n: int) -> tuple[list[int], list[subprocess.Popen], list[str]]:
+    ports = [free_port() for _ in range(n)]
     fakes = [subprocess.Popen([sys.executable, str(ROOT / "bench/fake_worker.py"), "--port", str(p)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    return ports, fakes, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    ports, fakes, urls = _fake_workers(2)
     rows = []
     try:
         for u in urls:
@@ -167,10 +171,7 @@ def overhead(args: argparse.Namespace) -> dict:
 def epp(args: argparse.Namespace) -> dict:
     from envoy_gateway import envoy
 
-    ports = [free_port() for _ in range(2)]
-    fakes = [subprocess.Popen([sys.executable, str(ROOT / "bench/fake_worker.py"), "--port", str(p)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    ports, fakes, urls = _fake_workers(2)
     epp_port = free_port()
     rows = []
     try:

@@ -29,7 +29,7 @@ import httpx
 
 from tandem.decode.allowlist import Allowlist, Verdict, canonical_host, parse_peers
 from tandem.web.errors import ApiError
-from tandem.web.json_body import parse_json
+from tandem.web.json_body import parse_json, read_body, replaying, reply_json
 
 log = logging.getLogger("tandem.server")
 HEADER = b"x-prefiller-host-port"
@@ -58,19 +58,11 @@ class PrefillerHeader:
         try:
             url, body, data = await self._prepare(target.decode("latin-1"), receive)
         except ApiError as exc:
-            return await _reply(send, exc.status, exc.body())
+            return await reply_json(send, exc.status, exc.body())
         prefill = asyncio.create_task(self._prefill(url + scope["path"], body))
         headers = [(k, v) for k, v in scope["headers"] if k not in (HEADER, b"content-length")]
         headers.append((b"content-length", str(len(data)).encode()))
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            return await receive()
-
+        replay = replaying(data, receive)
         try:
             await self.app({**scope, "headers": headers}, replay, send)
         finally:
@@ -81,14 +73,10 @@ class PrefillerHeader:
         """The prefill worker's URL, the body both workers get, and its bytes."""
         host, port = _host_port(target)
         await self._check_peer(host)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                raise ApiError(400, "the client left before its body was whole")
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        raw = parse_json(b"".join(chunks))
+        whole = await read_body(receive)
+        if whole is None:
+            raise ApiError(400, "the client left before its body was whole")
+        raw = parse_json(whole)
         if not isinstance(raw, dict):
             raise ApiError(400, "the request body must be a JSON object")
         bootstrap = await self._bootstrap_port(host, port)
@@ -151,11 +139,4 @@ def _host_port(target: str) -> tuple[str, int]:
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-async def _reply(send: Any, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 

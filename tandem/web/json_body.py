@@ -124,32 +124,47 @@ class JsonBodies:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client left before its body was whole
-                return
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        data = b"".join(chunks)
+        data = await read_body(receive)
+        if data is None:  # the client left before its body was whole
+            return
         if data:
             try:
                 parse_json(data)
             except ApiError as exc:
-                return await _reply(send, exc.status, exc.body())
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": data, "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
+                return await reply_json(send, exc.status, exc.body())
+        replay = replaying(data, receive)
 
         await self.app(scope, replay, send)
 
 
-async def _reply(send: Any, status: int, payload: dict) -> None:
+async def read_body(receive: Any) -> bytes | None:
+    """A request's whole body, or None when the client left before it was whole."""
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+def replaying(data: bytes, receive: Any) -> Any:
+    """An ASGI receive that hands on `data` as the whole body, then what `receive` brings (the
+    disconnect, when it comes): for middleware that read the body before the app does."""
+    replayed = False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def reply_json(send: Any, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
