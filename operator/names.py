@@ -103,6 +103,11 @@ def http_route_name(instance: str) -> str:
     return instance
 
 
+def epp_service_name(instance: str) -> str:
+    """The router's Endpoint Picker port, on a ClusterIP Service apart from the client-facing one."""
+    return f"{instance}-epp"
+
+
 def router_account_name(instance: str) -> str:
     return f"{instance}-router"
 
@@ -122,6 +127,11 @@ PD_SECRET_KEY = contract.PD_SECRET_KEY  # the data key holding the Z85 text
 
 def network_policy_name(instance: str) -> str:
     return f"{instance}-internal-kv"
+
+
+def gateway_network_policy_name(instance: str) -> str:
+    """The NetworkPolicy that admits the gateway's proxy to the decode pods (spec.gateway.httpFromNamespaces)."""
+    return f"{instance}-gateway"
 
 
 def service_url(instance: str, namespace: str, port: int) -> str:

@@ -176,8 +176,8 @@ def gateway_condition(svc: ServiceSpec, missing_kinds: tuple[tuple[str, str], ..
     made = f"InferencePool {names.inference_pool_name(svc.name)}"
     if svc.gateway.route is not None:
         made += f" and HTTPRoute {names.http_route_name(svc.name)}"
-    return Condition(kind, "True", "Applied", f"{made} applied; the router's Endpoint Picker listens on port "
-                                             f"{svc.gateway.epp_port}")
+    return Condition(kind, "True", "Applied", f"{made} applied; the router's Endpoint Picker is Service "
+                                             f"{names.epp_service_name(svc.name)}, port {svc.gateway.epp_port}")
 
 
 def build_conditions(svc: ServiceSpec, desired: RoleReplicas, observed: dict[str, RoleObserved],

@@ -1,5 +1,6 @@
 """Worker Services, PodDisruptionBudgets and the NetworkPolicy that keeps KV traffic in the instance
-and the HTTP port to its router and named namespaces."""
+and the HTTP port to its router and named namespaces. (The gateway's own NetworkPolicy, which admits
+its proxy to the decode pods, is in render/gateway.py.)"""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ def _role_pods(svc: ServiceSpec, roles: tuple[str, ...]) -> dict[str, Any]:
     }}
 
 
+def namespaces_peer(namespaces: tuple[str, ...]) -> dict[str, Any]:
+    """Every pod of these namespaces. kubernetes.io/metadata.name is the label the API server sets on
+    each namespace to its own name (Kubernetes 1.22+), so no one has to label namespaces for this."""
+    return {"namespaceSelector": {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "In", "values": sorted(set(namespaces))}]}}
+
+
 def kv_network_policy(svc: ServiceSpec, policy: OperatorPolicy) -> dict[str, Any]:
     """Ingress to worker pods. Bootstrap and KV ports: this instance's prefill and decode pods
     only. HTTP (the OpenAI API, /metrics, admin routes): this instance's router and workers,
@@ -73,9 +81,7 @@ def kv_network_policy(svc: ServiceSpec, policy: OperatorPolicy) -> dict[str, Any
     ]
     http_from: list[dict[str, Any]] = [_role_pods(svc, names.ROLES)]
     if policy.http_from_namespaces:
-        http_from.append({"namespaceSelector": {"matchExpressions": [{
-            "key": "kubernetes.io/metadata.name", "operator": "In",
-            "values": sorted(set(policy.http_from_namespaces))}]}})
+        http_from.append(namespaces_peer(policy.http_from_namespaces))
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

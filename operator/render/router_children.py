@@ -1,4 +1,5 @@
-"""The router: its Deployment, the client-facing Service, and the RBAC it needs to discover worker pods."""
+"""The router: its Deployment, the client-facing Service, the Endpoint Picker's Service (spec.gateway),
+and the RBAC it needs to discover worker pods."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tandem.operator.render.pod_common import (
 )
 from tandem.operator.security.harden import restricted_security_context
 from tandem.operator.security.secret_env import router_secret_env
+from tandem.operator.spec.gateway import GatewaySpec
 from tandem.operator.spec.service_spec import ServiceSpec
 
 ROUTER_DRAIN_S = 30
@@ -42,20 +44,10 @@ def _epp_args(svc: ServiceSpec) -> tuple[str, ...]:
 
 
 def _epp_port(svc: ServiceSpec) -> list[dict[str, Any]]:
-    """The EPP's container port, for the router Service's targetPort."""
+    """The EPP's container port, for the EPP Service's targetPort."""
     if svc.gateway is None:
         return []
     return [{"name": names.EPP_PORT_NAME, "containerPort": svc.gateway.epp_port, "protocol": "TCP"}]
-
-
-def _epp_service_port(svc: ServiceSpec) -> list[dict[str, Any]]:
-    if svc.gateway is None:
-        return []
-    # ext-proc is gRPC, so HTTP/2 in clear text. "http2" is what GIE's own conformance EPP Services
-    # declare, so every conformant gateway reads it; the port name's "grpc-" prefix says the same to
-    # meshes that go by names (Istio).
-    return [{"name": names.EPP_PORT_NAME, "port": svc.gateway.epp_port, "targetPort": names.EPP_PORT_NAME,
-             "protocol": "TCP", "appProtocol": "http2"}]
 
 
 def router_deployment(svc: ServiceSpec, replicas: int) -> dict[str, Any]:
@@ -89,8 +81,27 @@ def router_service(svc: ServiceSpec) -> dict[str, Any]:
         "spec": {
             "type": svc.router.service_type,
             "selector": names.selector_labels(svc.name, names.ROUTER),
-            "ports": [{"name": "http", "port": svc.router.service_port, "targetPort": "http",
-                       "protocol": "TCP"}, *_epp_service_port(svc)],
+            "ports": [{"name": "http", "port": svc.router.service_port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def epp_service(svc: ServiceSpec, gateway: GatewaySpec) -> dict[str, Any]:
+    """The router's Endpoint Picker, the InferencePool's endpointPickerRef. A Service of its own, and
+    always ClusterIP: on the client-facing Service, a LoadBalancer or NodePort router.serviceType would
+    put the ext-proc listener outside the cluster, and only the gateway's proxy, inside, talks to it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_meta(svc, names.epp_service_name(svc.name), names.ROUTER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": names.selector_labels(svc.name, names.ROUTER),
+            # ext-proc is gRPC, so HTTP/2 in clear text. "http2" is what GIE's own conformance EPP
+            # Services declare, so every conformant gateway reads it; the port name's "grpc-" prefix
+            # says the same to meshes that go by names (Istio).
+            "ports": [{"name": names.EPP_PORT_NAME, "port": gateway.epp_port, "targetPort": names.EPP_PORT_NAME,
+                       "protocol": "TCP", "appProtocol": "http2"}],
         },
     }
 

@@ -52,6 +52,10 @@ DNS_SUBDOMAIN = NameRule(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[
 # Gateway API's Hostname: a DNS subdomain, or one under a leading wildcard label ("*.example.com").
 HOSTNAME = NameRule(r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", 253,
                     "a hostname such as llm.example.com or *.example.com")
+# Gateway API's Duration (GEP-2257), the pattern of HTTPRoute's rules[].timeouts.request verbatim: one to four
+# <1-5 digits><unit> groups, so at most 4 * 7 = 28 characters. A zero duration ("0s") means no timeout.
+GATEWAY_DURATION = NameRule(r"^([0-9]{1,5}(h|m|s|ms)){1,4}$", 28,
+                            "a Gateway API duration such as 600s, 10m or 1h30m (units h, m, s, ms)")
 
 
 def _name(value: Any, rule: NameRule, where: str, errors: list[str]) -> str | None:

@@ -133,7 +133,7 @@ def _gpu_limit(resources: dict[str, Any]) -> int | None:
 OWNED_FLAGS = {
     names.ROUTER: ("--host", "--port", "--admin-port", "--model", "--model-name", "--namespace", "--selector",
                    "--prefill-selector", "--decode-selector", "--workers", "--prefill", "--decode",
-                   "--epp-port"),  # from spec.gateway: the InferencePool and router Service name its port
+                   "--epp-port"),  # from spec.gateway: the InferencePool and the EPP Service name its port
     "worker": ("--role", "--model", "--served-model-name", "--host", "--port", "--bootstrap-port", "--admin-port",
                "--config"),
 }

@@ -106,7 +106,7 @@ def _parse(cr: dict[str, Any]) -> ServiceSpec:
     kv = parse_kv(spec["kvTransfer"], errors)
     rollout = parse_rollout(spec["rollout"], errors)
     api_key = parse_secret_ref(spec.get("apiKeySecretRef"), "spec.apiKeySecretRef", errors)
-    gateway = parse_gateway(spec.get("gateway"), roles[names.ROUTER].service_port, errors)
+    gateway = parse_gateway(spec.get("gateway"), errors)
     if model is not None:
         errors += tp_problems(model.heads, {r: roles[r].tensor_parallel_size for r in names.WORKER_ROLES})
     role_rollouts = {

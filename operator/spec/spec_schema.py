@@ -9,7 +9,7 @@ Objects that carry nested defaults default to `{}` so that those nested defaults
 from __future__ import annotations
 
 from tandem import worker_contract as contract
-from tandem.operator.spec.field_checks import DNS_LABEL, DNS_SUBDOMAIN, HOSTNAME, NameRule
+from tandem.operator.spec.field_checks import DNS_LABEL, DNS_SUBDOMAIN, GATEWAY_DURATION, HOSTNAME, NameRule
 from tandem.operator.spec.schema_builders import (
     Schema,
     boolean,
@@ -229,6 +229,11 @@ def _named(rule: NameRule, desc: str) -> Schema:
 # GIE's EndpointPickerFailureMode; FailClose is its default as well.
 FAILURE_MODES = ("FailClose", "FailOpen")
 MAX_HOSTNAMES = 16  # as Gateway API's HTTPRoute allows
+MAX_HTTP_FROM_NAMESPACES = 16
+# The route's request timeout: the router's own (router/config.py request_timeout, 600 s), so a long
+# generation gets the same budget through the gateway as through the router. Gateways default to far
+# less (Envoy Gateway: 15 s), which cuts a long answer off mid-stream.
+ROUTE_REQUEST_TIMEOUT = "600s"
 
 GATEWAY = obj(
     {
@@ -236,7 +241,8 @@ GATEWAY = obj(
             "enabled": boolean(True, "Render an InferencePool (inference.networking.k8s.io/v1) named after the "
                                      "service, selecting its decode pods, with the router as its Endpoint Picker."),
             "eppPort": integer(1, 65535, contract.EPP_PORT, "The router's Endpoint Picker (Envoy ext-proc, gRPC) "
-                               "port: `tandem router --epp-port`, on the router pods and the router Service."),
+                               "port: `tandem router --epp-port`, on the router pods and on the ClusterIP "
+                               "Service <name>-epp the pool names."),
             "failureMode": string(enum=FAILURE_MODES, default="FailClose", desc=(
                 "What the gateway does while the Endpoint Picker does not answer: FailClose refuses the "
                 "request, FailOpen sends it to a pod of the gateway's own choosing.")),
@@ -251,9 +257,26 @@ GATEWAY = obj(
             "hostnames": {"type": "array", "maxItems": MAX_HOSTNAMES, "x-kubernetes-list-type": "atomic",
                           "items": _named(HOSTNAME, "e.g. llm.example.com or *.example.com"),
                           "description": "Host headers the route matches; unset: those of the listener."},
+            "requestTimeout": string(
+                default=ROUTE_REQUEST_TIMEOUT, min_length=1, max_length=GATEWAY_DURATION.max_length,
+                pattern=GATEWAY_DURATION.pattern, desc=(
+                    "The route rule's timeouts.request: how long the gateway lets one request take, a "
+                    "streamed answer included, as a Gateway API duration (e.g. 600s, 20m). \"0s\" asks the "
+                    "gateway for no timeout (one that cannot go without uses its longest). Default: the "
+                    "router's own request timeout, 600s.")),
         }, required=("parentRef",), desc=(
             "Also render an HTTPRoute (gateway.networking.k8s.io/v1) named after the service, from this "
             "Gateway to the InferencePool, for every path.")),
+        "httpFromNamespaces": {
+            "type": "array", "maxItems": MAX_HTTP_FROM_NAMESPACES, "x-kubernetes-list-type": "atomic",
+            "items": _named(DNS_LABEL, "A namespace name."),
+            "description": (
+                "Namespaces whose pods may reach the decode pods' HTTP port (8000), where the gateway's proxy "
+                "sends requests: a NetworkPolicy <name>-gateway admits them, on that port only. "
+                "httpRoute.parentRef.namespace is admitted too, as the namespace Istio and kgateway run a "
+                "Gateway's proxy pods in. Name the proxy's namespace here when it runs elsewhere (Envoy "
+                "Gateway's default: its own, envoy-gateway-system)."),
+        },
     },
     rules=((
         "!has(self.httpRoute) || self.inferencePool.enabled",

@@ -301,10 +301,21 @@ def _one(env: Env, name: str, resource: str) -> dict[str, Any] | None:
 
 
 def _router(env: Env, name: str) -> tuple[list[str], list[int]]:
-    """The router container's command and its Service's port numbers."""
+    """The router container's command and its client-facing Service's port numbers."""
     dep = env.deployment(name, "router")
     (service,) = [s for s in env.children(name, "v1/services") if s["metadata"]["name"] == name]
     return (container(dep)["command"] if dep else []), [p["port"] for p in service["spec"]["ports"]]
+
+
+def _named(env: Env, instance: str, name: str, resource: str) -> dict[str, Any] | None:
+    found = [o for o in env.children(instance, resource) if o["metadata"]["name"] == name]
+    return found[0] if found else None
+
+
+def _epp_ports(env: Env, name: str) -> list[int]:
+    """The port numbers of the Endpoint Picker's Service <name>-epp; [] while there is none."""
+    service = _named(env, name, f"{name}-epp", "v1/services")
+    return [p["port"] for p in service["spec"]["ports"]] if service else []
 
 
 def test_gateway_section_create_update_and_remove(env: Env) -> None:
@@ -314,35 +325,46 @@ def test_gateway_section_create_update_and_remove(env: Env) -> None:
     uid = env.cr("e2e-gateway")["metadata"]["uid"]  # type: ignore[index]
     assert pool["metadata"]["ownerReferences"][0]["uid"] == uid
     assert pool["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
-    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway", "port": {"number": 9002},
-                                                 "failureMode": "FailClose"}
+    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway-epp",
+                                                 "port": {"number": 9002}, "failureMode": "FailClose"}
     http_route = wait_for("HTTPRoute", lambda: _one(env, "e2e-gateway", HTTP_ROUTE_RESOURCE))
     assert http_route["spec"]["rules"][0]["backendRefs"][0]["name"] == "e2e-gateway"
     assert http_route["spec"]["parentRefs"][0]["namespace"] == "gateways"
     cr = wait_for("GatewayConfigured", lambda: (c := env.cr("e2e-gateway"))
                   and condition(c, "GatewayConfigured").get("status") == "True" and c)
     assert condition(cr, "GatewayConfigured")["reason"] == "Applied"
+    assert http_route["spec"]["rules"][0]["timeouts"] == {"request": "600s"}  # the CRD's default
     command, ports = _router(env, "e2e-gateway")
-    assert command[command.index("--epp-port") + 1] == "9002" and ports == [80, 9002]
+    assert command[command.index("--epp-port") + 1] == "9002" and ports == [80]  # the EPP is not the client's
+    epp = _named(env, "e2e-gateway", "e2e-gateway-epp", "v1/services")
+    assert epp is not None and epp["spec"]["type"] == "ClusterIP" and _epp_ports(env, "e2e-gateway") == [9002]
+    assert epp["metadata"]["ownerReferences"][0]["uid"] == uid
+    policy = _named(env, "e2e-gateway", "e2e-gateway-gateway", "networking.k8s.io/v1/networkpolicies")
+    assert policy is not None and policy["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "gateways"]
 
-    # Update: another port and failure mode reach the pool, the router's flag and its Service.
+    # Update: another port and failure mode reach the pool, the router's flag and the EPP Service.
     env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p",
                 json.dumps({"spec": {"gateway": {"inferencePool": {"eppPort": 9100, "failureMode": "FailOpen"}}}}))
     wait_for("pool on 9100, FailOpen", lambda: (p := _one(env, "e2e-gateway", INFERENCE_POOL_RESOURCE))
-             and p["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway",
+             and p["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "e2e-gateway-epp",
                                                     "port": {"number": 9100}, "failureMode": "FailOpen"})
-    wait_for("router on 9100", lambda: _router(env, "e2e-gateway")[1] == [80, 9100])
-    command, _ = _router(env, "e2e-gateway")
-    assert command[command.index("--epp-port") + 1] == "9100"
+    wait_for("EPP Service on 9100", lambda: _epp_ports(env, "e2e-gateway") == [9100])
+    command, ports = _router(env, "e2e-gateway")
+    assert command[command.index("--epp-port") + 1] == "9100" and ports == [80]
 
-    # Removing the route deletes it and keeps the pool; removing the section deletes the pool.
+    # Removing the route deletes it, and the NetworkPolicy whose one namespace was the route's Gateway's;
+    # the pool stays. Removing the section deletes the pool and the EPP Service.
     env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p", '{"spec":{"gateway":{"httpRoute":null}}}')
     wait_for("HTTPRoute deleted", lambda: env.children("e2e-gateway", HTTP_ROUTE_RESOURCE) == [])
+    wait_for("NetworkPolicy deleted",
+             lambda: _named(env, "e2e-gateway", "e2e-gateway-gateway", "networking.k8s.io/v1/networkpolicies") is None)
     assert _one(env, "e2e-gateway", INFERENCE_POOL_RESOURCE) is not None
     env.kubectl("patch", "tisvc", "e2e-gateway", "--type=merge", "-p", '{"spec":{"gateway":null}}')
     wait_for("InferencePool deleted", lambda: env.children("e2e-gateway", INFERENCE_POOL_RESOURCE) == [])
-    wait_for("router without the EPP", lambda: _router(env, "e2e-gateway")[1] == [80])
-    assert "--epp-port" not in _router(env, "e2e-gateway")[0]
+    wait_for("EPP Service deleted", lambda: _epp_ports(env, "e2e-gateway") == [])
+    wait_for("router without the EPP", lambda: "--epp-port" not in _router(env, "e2e-gateway")[0])
     wait_for("GatewayConfigured Disabled",
              lambda: condition(env.cr("e2e-gateway"), "GatewayConfigured").get("reason") == "Disabled")
     assert len(env.all_children("e2e-gateway")) == N
@@ -364,7 +386,9 @@ def test_a_cluster_without_the_gie_crd_gets_a_condition_not_a_crash(env: Env) ->
                       and condition(c, "GatewayConfigured").get("reason") == "GatewayUnavailable" and c)
         assert "no inference.networking.k8s.io/v1 InferencePool CRD" in condition(cr, "GatewayConfigured")["message"]
         assert condition(cr, "Degraded").get("reason") != "ApplyFailed"
-        wait_for("the rest of the children", lambda: len(env.all_children("e2e-no-gie")) == N)
+        # The rest: every child of the plain service, and the EPP Service (a core kind).
+        wait_for("the rest of the children", lambda: len(env.all_children("e2e-no-gie")) == N + 1)
+        assert _epp_ports(env, "e2e-no-gie") == [9002]
         assert env.operator is not None and env.operator.poll() is None
     finally:
         env.cluster.withhold(INFERENCE_POOL_RESOURCE, False)

@@ -8,9 +8,9 @@ operator never writes it); everything else is verbatim, CEL rules included:
   config/crd/bases/inference.networking.k8s.io_inferencepools.yaml, version v1, whole.
 - HTTP_ROUTE_V1: kubernetes-sigs/gateway-api at 4564255a, config/crd/standard/
   gateway.networking.k8s.io_httproutes.yaml (standard channel), version v1, cut to the fields the
-  operator renders: spec.parentRefs, spec.hostnames, spec.rules[].matches[].path and
-  spec.rules[].backendRefs[] without filters. A field rendered outside the cut fails the
-  unknown-field check, which is the prompt to copy its schema here as well.
+  operator renders: spec.parentRefs, spec.hostnames, spec.rules[].matches[].path,
+  spec.rules[].backendRefs[] without filters, and spec.rules[].timeouts whole. A field rendered
+  outside the cut fails the unknown-field check, which is the prompt to copy its schema here as well.
 
 Upgrading: take the same parts of the newer CRD, drop descriptions, and keep the commit above current.
 """
@@ -394,6 +394,29 @@ HTTP_ROUTE_V1: Schema = {
                                 "maxItems": 16,
                                 "type": "array",
                                 "x-kubernetes-list-type": "atomic",
+                            },
+                            "timeouts": {
+                                "properties": {
+                                    "backendRequest": {
+                                        "pattern": "^([0-9]{1,5}(h|m|s|ms)){1,4}$",
+                                        "type": "string",
+                                    },
+                                    "request": {
+                                        "pattern": "^([0-9]{1,5}(h|m|s|ms)){1,4}$",
+                                        "type": "string",
+                                    },
+                                },
+                                "type": "object",
+                                "x-kubernetes-validations": [
+                                    {
+                                        "message": "backendRequest timeout cannot be longer than request timeout",
+                                        "rule": (
+                                            "!(has(self.request) && has(self.backendRequest) && "
+                                            "duration(self.request) != duration('0s') && "
+                                            "duration(self.backendRequest) > duration(self.request))"
+                                        ),
+                                    },
+                                ],
                             },
                         },
                         "type": "object",
