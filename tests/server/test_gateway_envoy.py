@@ -45,7 +45,7 @@ def stack(request, model_path):
     model = model_path("tiny")
     epp = free_port()
     if request.param == "colocated":
-        workers = [Worker.colocated(model) for _ in range(2)]
+        workers = [Worker.colocated(model)]  # one: the test is the path through Envoy, not the balance
         kw = {"workers": workers}
     else:
         pre = Worker.prefill(model)
