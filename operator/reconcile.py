@@ -30,7 +30,16 @@ from tandem.operator.security.operator_policy import OperatorPolicy, policy_prob
 from tandem.operator.spec.pd_ratio import Pair, nearest_feasible
 from tandem.operator.spec.service_spec import ServiceSpec, SpecError, parse_service
 
-# Children are applied in this order: config and identities before the pods that use them.
+# Children of CRDs outside Kubernetes (GIE's, Gateway API's): without them in the cluster, sync.py
+# reports a condition and reconciles the rest, rather than failing the whole service. The route
+# comes after the pool it points at.
+GATEWAY_KINDS = (
+    (names.INFERENCE_POOL_API_VERSION, "InferencePool"),
+    (names.HTTP_ROUTE_API_VERSION, "HTTPRoute"),
+)
+OPTIONAL_KINDS = frozenset(GATEWAY_KINDS)
+# Children are applied in this order: config and identities before the pods that use them; last,
+# the kinds a cluster may lack, so a missing one never holds up the pods.
 CHILD_KINDS = (
     ("v1", "ConfigMap"),
     ("v1", "ServiceAccount"),
@@ -41,17 +50,8 @@ CHILD_KINDS = (
     ("policy/v1", "PodDisruptionBudget"),
     (names.API_VERSION, "RoleScaler"),
     ("apps/v1", "Deployment"),
-    # Last: kinds whose CRDs a cluster may lack (OPTIONAL_KINDS), so a missing one never holds up
-    # the pods; the route after the pool it points at.
-    (names.INFERENCE_POOL_API_VERSION, "InferencePool"),
-    (names.HTTP_ROUTE_API_VERSION, "HTTPRoute"),
+    *GATEWAY_KINDS,
 )
-# Children of CRDs outside Kubernetes (GIE's, Gateway API's): without them in the cluster, sync.py
-# reports a condition and reconciles the rest, rather than failing the whole service.
-OPTIONAL_KINDS = frozenset({
-    (names.INFERENCE_POOL_API_VERSION, "InferencePool"),
-    (names.HTTP_ROUTE_API_VERSION, "HTTPRoute"),
-})
 
 
 @dataclass(frozen=True)

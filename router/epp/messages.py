@@ -64,11 +64,12 @@ def header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def routing(endpoints: str, prefill: str | None, body_length: int | None) -> pb.CommonResponse:
+def routing(endpoints: str, prefill: str | None, body_length: int | None,
+            extra: dict[str, str]) -> pb.CommonResponse:
     """The request's routing: the destination (and the PD prefill) headers set, any client copy of
     them replaced or removed, the route cache cleared so the gateway routes on them; a replaced
-    body's length where the body changed."""
-    sets = [header_option(DESTINATION, endpoints)]
+    body's length where the body changed; `extra` headers set as well (the workers' key)."""
+    sets = [header_option(DESTINATION, endpoints), *(header_option(k, v) for k, v in extra.items())]
     removes = []
     if prefill is not None:
         sets.append(header_option(PREFILLER, prefill))
@@ -86,22 +87,23 @@ def destination_metadata(endpoints: str) -> struct_pb2.Struct:
     return md
 
 
-def headers_answer(common: pb.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None,
-                   response: bool = False) -> pb.ProcessingResponse:
-    answer = pb.HeadersResponse(response=common or pb.CommonResponse())
-    kw: dict[str, Any] = {"response_headers" if response else "request_headers": answer}
+def _answer(kind: str, answer: Any, metadata: struct_pb2.Struct | None) -> pb.ProcessingResponse:
+    kw: dict[str, Any] = {kind: answer}
     if metadata is not None:
         kw["dynamic_metadata"] = metadata
     return pb.ProcessingResponse(**kw)
+
+
+def headers_answer(common: pb.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None,
+                   response: bool = False) -> pb.ProcessingResponse:
+    return _answer("response_headers" if response else "request_headers",
+                   pb.HeadersResponse(response=common or pb.CommonResponse()), metadata)
 
 
 def body_answer(common: pb.CommonResponse | None = None, metadata: struct_pb2.Struct | None = None,
                 response: bool = False) -> pb.ProcessingResponse:
-    answer = pb.BodyResponse(response=common or pb.CommonResponse())
-    kw: dict[str, Any] = {"response_body" if response else "request_body": answer}
-    if metadata is not None:
-        kw["dynamic_metadata"] = metadata
-    return pb.ProcessingResponse(**kw)
+    return _answer("response_body" if response else "request_body",
+                   pb.BodyResponse(response=common or pb.CommonResponse()), metadata)
 
 
 def streamed_body(body: bytes, end: bool, response: bool = False) -> Iterator[pb.ProcessingResponse]:

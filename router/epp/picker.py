@@ -82,6 +82,7 @@ class Picker:
 
         state.metrics.prompt_tokens.inc(len(job.ids))
         state.metrics.epp_seconds.observe(time.monotonic() - t0)
+
         def report(status: int) -> None:
             if status >= 500:
                 route.main.breaker.on_fault()
@@ -105,7 +106,7 @@ class Picker:
         if entry is None or method != "POST" or body is None:  # models, health, a body not waited for:
             return Job(path, {}, [], 0, False), None          # load alone decides
         model, build = entry
-        raw = parse_json(body or b"")
+        raw = parse_json(body)
         stripped = routes.strip_router_fields(raw)
         try:
             validated = model.model_validate(raw)

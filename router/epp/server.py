@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tandem.router.epp import messages
 from tandem.router.epp.picker import Picker
 from tandem.router.epp.stream import ExtProcStream, ProtocolError
+from tandem.router.routes import readiness
 from tandem.web.errors import error_body
 
 log = logging.getLogger("tandem.router.epp")
@@ -57,8 +58,6 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
 def ready(state: Any) -> bool:
     """What the router's /health/ready says, for the readiness and ext-proc health names."""
-    from tandem.router.routes import readiness  # the one definition of "can serve a request"
-
     return readiness(state) is None
 
 

@@ -145,8 +145,8 @@ class ExtProcStream:
         body = bytes(self.body)
         self.body = bytearray()
         pick = await self._pick(body)
-        common = messages.routing(pick.endpoint, pick.prefill, None if pick.body is None else len(pick.body))
-        _extra(common, pick)
+        common = messages.routing(pick.endpoint, pick.prefill, None if pick.body is None else len(pick.body),
+                                  pick.headers)
         metadata = messages.destination_metadata(pick.endpoint)
         if self.waiting:  # full duplex: the held headers' answer, then the body as it should go on
             self.waiting = False
@@ -158,8 +158,7 @@ class ExtProcStream:
 
     async def _answer_headers(self, body: bytes | None) -> list[pb.ProcessingResponse]:
         pick = await self._pick(body)
-        common = messages.routing(pick.endpoint, pick.prefill, None)
-        _extra(common, pick)
+        common = messages.routing(pick.endpoint, pick.prefill, None, pick.headers)
         return [messages.headers_answer(common, messages.destination_metadata(pick.endpoint))]
 
     async def _pick(self, body: bytes | None) -> Pick:
@@ -174,10 +173,4 @@ class ExtProcStream:
         status = headers.get(":status", "")
         if self.pick is not None and status.isdigit():
             self.pick.report(int(status))
-
-
-def _extra(common: pb.CommonResponse, pick: Pick) -> None:
-    """The workers' key in place of the client's."""
-    for key, value in pick.headers.items():
-        common.header_mutation.set_headers.append(messages.header_option(key, value))
 

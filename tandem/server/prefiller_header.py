@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from tandem.decode.allowlist import Allowlist, Verdict, canonical_host, parse_peers
+from tandem.decode.allowlist import Allowlist, PeerAddress, Verdict, parse_peers
 from tandem.web.errors import ApiError
 from tandem.web.json_body import parse_json, read_body, replaying, reply_json
 
@@ -83,7 +83,7 @@ class PrefillerHeader:
         body = {**raw, "bootstrap_host": host, "bootstrap_port": bootstrap,
                 "bootstrap_room": random.randrange(2**63 - 2**16)}  # room + i per choice stays < 2**63
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-        return f"http://{_bracket(host)}:{port}", body, data
+        return f"http://{PeerAddress(host, port).key}", body, data
 
     async def _check_peer(self, host: str) -> None:
         if self.allow is None:
@@ -102,7 +102,7 @@ class PrefillerHeader:
         known = self._info.get((host, port))
         if known is not None and known[1] > time.monotonic():
             return known[0]
-        where = f"http://{_bracket(host)}:{port}"
+        where = f"http://{PeerAddress(host, port).key}"
         try:
             r = await self._http().get(where + "/get_server_info", timeout=5.0)
             info = r.json() if r.status_code == 200 else {}
@@ -130,13 +130,13 @@ class PrefillerHeader:
 
 
 def _host_port(target: str) -> tuple[str, int]:
-    host, sep, port = target.strip().rpartition(":")
-    name = canonical_host(host) if sep else None
-    if name is None or not port.isdigit() or not 0 < int(port) < 65536:
+    """The header's one host:port, read as --pd-prefill-peers entries are."""
+    try:
+        peers = parse_peers(target)
+    except ValueError:
+        peers = []
+    if len(peers) != 1:
         raise ApiError(400, f"x-prefiller-host-port {target[:80]!r} is not host:port", param="x-prefiller-host-port")
-    return name, int(port)
+    return peers[0].host, peers[0].port
 
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
