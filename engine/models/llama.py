@@ -131,7 +131,9 @@ class LlamaForCausalLM(nn.Module):
         # Under tensor parallelism the embedding and the LM head hold this rank's vocabulary
         # rows (cfg.shard.vocab), padded past the vocabulary with zero rows.
         rows = cfg.vocab_size if cfg.shard is None else cfg.shard.vocab_rows
-        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size)
+        # An explicit (uninitialised) weight: Embedding's own normal_ init would import
+        # torch._dynamo (~2 s of every scheduler start) to fill values the loader overwrites.
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.kv_scales = KVScales.ones(cfg.num_layers)  # an fp8 KV cache's; the loader sets the checkpoint's
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from model_variants import with_kv_scales
-from pd_client import pd_generate, pd_post
+from pd_client import pd_body, pd_generate
 from waits import wait_until
 from worker_process import Worker, running
 
@@ -32,21 +32,21 @@ def test_fp8_pages_cross_and_a_bf16_pool_is_refused(model_path, tmp_path) -> Non
     dec = Worker.decode(model, *FLAGS, *FP8, "--pd-local-prefill-threshold", "0", peers=[pre])
     with running(pre, dec):
         assert [pd_generate(pre, dec, {"text": p, "sampling_params": SP})["output_ids"] for p in PROMPTS] == want
+        # Both refused decodes start at once: each one's handshake is independent of the other.
         plain = Worker.decode(model, *FLAGS, peers=[pre])
+        scaled = Worker.decode(with_kv_scales(model, tmp_path / "scaled", k=2.0, v=0.5), *FLAGS, *FP8, peers=[pre])
         try:
             wait_until(lambda: "handshake refused: mismatch in dtype" in plain.output(), 120,
                        "the plain decode's refused handshake", interval=0.2)
             plain.wait_listening()
-            _, d = pd_post(pre, plain, "/generate", {"text": PROMPTS[1], "sampling_params": SP})
+            # To decode alone: the prefill half would wait out its 30 s bootstrap timeout.
+            d = plain.post("/generate", pd_body(pre, {"text": PROMPTS[1], "sampling_params": SP}))
             assert d.status_code == 503 and "dtype" in d.json()["error"]["message"], d.text
             assert plain.pool()["whole"], plain.output()
-        finally:
-            plain.stop()
-        scaled = Worker.decode(with_kv_scales(model, tmp_path / "scaled", k=2.0, v=0.5), *FLAGS, *FP8, peers=[pre])
-        try:
             wait_until(lambda: "handshake refused: mismatch in model_id, kv_scales" in scaled.output(), 120,
                        "the other-scales decode's refused handshake", interval=0.2)
         finally:
+            plain.stop()
             scaled.stop()
         for w in (pre, dec):
             assert w.pool()["whole"], w.output()

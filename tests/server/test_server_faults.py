@@ -108,7 +108,7 @@ def test_drain_with_requests_in_flight(model_path, how) -> None:
             report = w.admin("POST", "/drain", {"timeout": 1.0}).json()
             assert report["pool_whole"] and report["aborted"] >= 1, report
         else:
-            w.proc.send_signal(signal.SIGTERM)
+            w.terminate()
             wait_until(lambda: w.get("/health/ready").status_code == 503, 10, "readiness off while draining")
             assert w.post("/generate", {"text": "x"}).status_code == 503
         for t in threads:
@@ -135,7 +135,7 @@ def test_dead_scheduler_and_a_sigterm_at_once_still_exit(model_path) -> None:
         import os
 
         os.kill(scheduler, signal.SIGKILL)
-        w.proc.send_signal(signal.SIGTERM)
+        w.terminate()
         assert w.proc.wait(30) == 70, w.output()
     finally:
         w.stop()

@@ -11,10 +11,15 @@ import httpx
 from worker_process import Worker
 
 
+def pd_body(prefill: Worker, body: dict[str, Any], room: int | None = None) -> dict[str, Any]:
+    """`body` with the bootstrap fields that pair it with `prefill`."""
+    return {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap,
+            "bootstrap_room": random.randrange(2**63) if room is None else room}
+
+
 def pd_post(prefill: Worker, decode: Worker, path: str, body: dict[str, Any],
             room: int | None = None) -> tuple[httpx.Response, httpx.Response]:
-    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap,
-            "bootstrap_room": random.randrange(2**63) if room is None else room}
+    body = pd_body(prefill, body, room)
     with cf.ThreadPoolExecutor(2) as ex:
         p = ex.submit(prefill.post, path, body)
         d = ex.submit(decode.post, path, body)

@@ -84,6 +84,7 @@ class Worker:
         cmd = [sys.executable, "-m", "tandem.cli", *argv, "--host", "127.0.0.1", "--port", str(self.port),
                "--admin-port", self.admin_url.rsplit(":", 1)[1]]
         key_env = {"TANDEM_API_KEY": api_key} if api_key else {}  # the env route of --api-key
+        self._terminated = False
         # Its own session: a benchmark can freeze the whole worker (front and schedulers) with killpg.
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, contract.ENV_PD_SECRET: PD_SECRET, **key_env, **(env or {})})
@@ -208,9 +209,15 @@ class Worker:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
+    def terminate(self) -> None:
+        """SIGTERM once (a second one would skip the drain); stop() waits for the exit."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -234,5 +241,12 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
             w.wait_ready()
         yield workers
     finally:
-        for w in workers:
-            w.stop()
+        stop_all(*workers)
+
+
+def stop_all(*workers: Worker) -> None:
+    """SIGTERM to every one first, then each waited for: their drains and exits overlap."""
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.stop()
