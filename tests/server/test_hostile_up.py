@@ -9,6 +9,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -54,7 +55,9 @@ RAW_ATTACKS = [
 ]
 
 
-def _send_all(url: str, statuses: list[tuple[str, int]]) -> None:
+def _send_all(url: str) -> list[tuple[str, int]]:
+    statuses: list[tuple[str, int]] = []
+
     def one(attack: tuple[str, dict]) -> tuple[str, int]:
         path, body = attack
         r = httpx.post(url + path, json=body, timeout=120)
@@ -77,6 +80,7 @@ def _send_all(url: str, statuses: list[tuple[str, int]]) -> None:
                                    ("DELETE", "/workers", {"url": "http://127.0.0.1:1"})):
             r = c.request(method, path, json=body)
             statuses.append((f"{url} {method} {path}", r.status_code))
+    return statuses
 
 
 def _garbage_to_bootstrap(port: int) -> None:
@@ -97,38 +101,45 @@ def _garbage_to_bootstrap(port: int) -> None:
         ctx.term()
 
 
-def test_every_attack_is_a_4xx_and_the_stack_serves_on(model_path) -> None:
+@pytest.fixture(scope="module")
+def stack(model_path) -> Iterator[Stack]:
+    """One stack for both suites: each checks that nothing in it restarted while it ran."""
     stack = Stack(model_path("tiny")).wait_up()
     try:
-        state = stack.state()
-        pids = {name: info["pid"] for name, info in state.items()}
-        statuses: list[tuple[str, int]] = []
-        _send_all(stack.url, statuses)  # through the router
-        for name in ("prefill-0", "decode-0"):  # and straight at each worker
-            _send_all(state[name]["url"], statuses)
-        prefill_argv = state["prefill-0"]["argv"]
-        _garbage_to_bootstrap(parse_worker_argv(prefill_argv[len(PROGRAM) + 1:]).bootstrap_port)
-
-        server_errors = [(what, code) for what, code in statuses if code >= 500]
-        assert not server_errors, server_errors
-        refused = [(what, code) for what, code in statuses if "(may be ignored)" not in what and code < 400]
-        assert not refused, refused
-        # Then a normal PD request (past the local-prefill threshold) and a stream answer.
-        client = stack.client()
-        done = client.completions.create(model="tiny", prompt="a normal request " * 12, max_tokens=6,
-                                         temperature=0, extra_body={"ignore_eos": True})
-        assert done.usage.completion_tokens == 6
-        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, stream=True))
-        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
-        assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()  # nothing restarted
-        assert "restarting" not in stack.output()
-        for info in stack.state().values():
-            assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
-        _pools_whole(stack)
+        yield stack
     finally:
         stack.stop()
     stack.assert_gone()
+
+
+def test_every_attack_is_a_4xx_and_the_stack_serves_on(stack: Stack) -> None:
+    state = stack.state()
+    pids = {name: info["pid"] for name, info in state.items()}
+    # Through the router and straight at each worker, at once: the prefill holds its bootstrap
+    # attacks until its 30 s wait for a decode runs out.
+    with ThreadPoolExecutor(3) as pool:
+        parts = pool.map(_send_all, [stack.url, state["prefill-0"]["url"], state["decode-0"]["url"]])
+        statuses = [s for part in parts for s in part]
+    prefill_argv = state["prefill-0"]["argv"]
+    _garbage_to_bootstrap(parse_worker_argv(prefill_argv[len(PROGRAM) + 1:]).bootstrap_port)
+
+    server_errors = [(what, code) for what, code in statuses if code >= 500]
+    assert not server_errors, server_errors
+    refused = [(what, code) for what, code in statuses if "(may be ignored)" not in what and code < 400]
+    assert not refused, refused
+    # Then a normal PD request (past the local-prefill threshold) and a stream answer.
+    client = stack.client()
+    done = client.completions.create(model="tiny", prompt="a normal request " * 12, max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()  # nothing restarted
+    assert "restarting" not in stack.output()
+    for info in stack.state().values():
+        assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
+    _pools_whole(stack)
 
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
@@ -193,8 +204,7 @@ class Probe(threading.Thread):
             self.seen.append(self.once())
 
 
-def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(model_path) -> None:
-    stack = Stack(model_path("tiny")).wait_up()
+def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(stack: Stack) -> None:
     probe = Probe(stack.url)
     try:
         pids = {name: info["pid"] for name, info in stack.state().items()}
@@ -222,5 +232,3 @@ def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(model_path) -> N
         _pools_whole(stack)
     finally:
         probe.stop.set()
-        stack.stop()
-    stack.assert_gone()
