@@ -14,6 +14,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 ARCH_PRESETS = {"qwen3": "tiny", "llama": "tiny-llama", "qwen2": "tiny-qwen2"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="run the `slow` tests whole; without it they take their bounded smoke form (what CI runs)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from smoke import ENV
+
+    if config.getoption("--full"):
+        os.environ[ENV] = "1"  # before collection: modules size themselves at import (support/smoke.py)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _process_files(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The logs and run dirs of the processes tests start (tests/support: worker_process.py,

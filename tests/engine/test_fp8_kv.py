@@ -43,15 +43,18 @@ def test_fp8_is_refused_where_nothing_reads_it(engine) -> None:
 def test_the_real_model_picks_the_same_next_token_on_fp8_kv(smollm2, smollm2_reference, kv: str) -> None:
     prompts = [case["prompt_ids"] for case in smollm2_reference]  # the fixed chat set (tests/conftest.py)
     sp = {"max_new_tokens": 1, "temperature": 0}
-    with Engine(str(smollm2), dtype="bfloat16", max_total_tokens=8192) as eng:
+    # dtype auto: bf16 where the CPU computes it (the usual pairing with an fp8 cache), fp32 where
+    # torch would emulate it several times slower; what is tested is the cache's dtype.
+    with Engine(str(smollm2), dtype="auto", max_total_tokens=8192) as eng:
         answers = [o["token_ids"] for o in eng.generate(prompts, {**sp, "max_new_tokens": 40})]
     steps = [(p + a[:i], a[i]) for p, a in zip(prompts, answers) for i in range(len(a))]
-    with Engine(str(smollm2), dtype="bfloat16", kv_cache_dtype=kv, max_total_tokens=16384) as eng:
+    with Engine(str(smollm2), dtype="auto", kv_cache_dtype=kv, max_total_tokens=16384) as eng:
         got = []
         for p, a in zip(prompts, answers):  # one chat at a time: each step hits the previous one's cache
             got += [o["token_ids"][0] for o in eng.generate([p + a[:i] for i in range(len(a))], sp)]
         assert all(r.ok for r in eng.flush_cache())
     agree = sum(g == want for g, (_, want) in zip(got, steps)) / len(steps)
+    print(f"{kv}: {agree:.3f} of {len(steps)} next tokens agree")
     assert agree >= 0.9, agree
 
 

@@ -1,0 +1,20 @@
+"""Which form of the `slow` tests runs. By default (what CI and the README's command run) each
+takes its bounded smoke form; `pytest --full` (or TANDEM_TEST_FULL=1) runs them whole.
+
+Read at import, so module-level sizes (hypothesis settings, request counts) can use it:
+tests/conftest.py sets the variable from --full before any test module is collected."""
+
+from __future__ import annotations
+
+import os
+
+ENV = "TANDEM_TEST_FULL"
+
+
+def full() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def sized(smoke: int, whole: int) -> int:
+    """`whole` under --full, `smoke` otherwise."""
+    return whole if full() else smoke
