@@ -191,6 +191,7 @@ def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path
              "--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path))
     texts = [f"prompt number {i} " * 12 for i in range(12)]
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = Worker.colocated(model, "--max-total-tokens", "96", "--page-size", "4")  # starts meanwhile
     first = Worker.colocated(model, *flags).wait_ready()
     try:
         with cf.ThreadPoolExecutor(4) as ex:
@@ -202,9 +203,11 @@ def test_a_worker_killed_while_writing_restarts_clean(model_path, tmp_path: Path
             first.wait_running(1)
             os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its schedulers, mid-traffic
             cf.wait(futures)
+    except BaseException:
+        plain.stop()
+        raise
     finally:
         first.stop()
-    plain = Worker.colocated(model, "--max-total-tokens", "96", "--page-size", "4")
     again = Worker.colocated(model, *flags)
     with running(plain, again):
         for t in texts * 2:

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 pytest.importorskip("openai")
-from up_stack import Stack, _pools_whole  # noqa: E402
+from up_stack import SMALL, Stack, _pools_whole  # noqa: E402
 
 from tandem.local.plan import PROGRAM  # noqa: E402
 from tandem.worker_contract import parse_worker_argv  # noqa: E402
@@ -103,8 +103,10 @@ def _garbage_to_bootstrap(port: int) -> None:
 
 @pytest.fixture(scope="module")
 def stack(model_path) -> Iterator[Stack]:
-    """One stack for both suites: each checks that nothing in it restarted while it ran."""
-    stack = Stack(model_path("tiny")).wait_up()
+    """One stack for both suites: each checks that nothing in it restarted while it ran. The
+    prefill holds each bootstrap attack sent straight at it until its wait for a decode ends:
+    8 s here, not the default 30."""
+    stack = Stack(model_path("tiny"), "--worker-args", f"{SMALL} --pd-bootstrap-timeout 8").wait_up()
     try:
         yield stack
     finally:
@@ -116,7 +118,7 @@ def test_every_attack_is_a_4xx_and_the_stack_serves_on(stack: Stack) -> None:
     state = stack.state()
     pids = {name: info["pid"] for name, info in state.items()}
     # Through the router and straight at each worker, at once: the prefill holds its bootstrap
-    # attacks until its 30 s wait for a decode runs out.
+    # attacks until its wait for a decode runs out.
     with ThreadPoolExecutor(3) as pool:
         parts = pool.map(_send_all, [stack.url, state["prefill-0"]["url"], state["decode-0"]["url"]])
         statuses = [s for part in parts for s in part]
