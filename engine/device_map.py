@@ -14,14 +14,27 @@ torch is imported inside the functions: reading a config needs no torch.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.engine.engine_config import EngineConfig
 
 
+# Without one of these no CUDA (or ROCm, or WSL) driver can answer: `auto` is then the CPU
+# without importing torch, which a worker's front would otherwise do (seconds) before it
+# starts its scheduler processes.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_nodes_present() -> bool:
+    return any(os.path.exists(p) for p in _GPU_NODES)
+
+
 def _on_cuda(device: str) -> bool:
     if device == "auto":
+        if not gpu_nodes_present():
+            return False
         import torch
 
         return torch.cuda.is_available()

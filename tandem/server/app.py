@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI
@@ -59,17 +60,29 @@ def scheduler_processes(config: ServerConfig) -> Callable[[Callable], Any]:
     return build
 
 
+def _load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        from transformers import AutoTokenizer
-
         t0 = time.monotonic()
         log.info("loading %s (%s role, dp_size %d)", config.model_path, config.role, config.engine.dp_size)
-        tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         metrics = ServerMetrics()
-        front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe,
-                      on_down=lambda: _stop_serving(app))
+        # The tokenizer loads in a thread while the scheduler processes start: importing
+        # transformers (and torch under it) takes seconds, which they spend importing the same.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer_loaded = pool.submit(_load_tokenizer, config.model_path)
+            front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe,
+                          on_down=lambda: _stop_serving(app))
+            try:
+                tokenizer = tokenizer_loaded.result()
+            except BaseException:
+                front.shutdown()
+                raise
         tool_format = choose_format(config.tool_call_parser, getattr(tokenizer, "chat_template", None))
         rt = app.state.runtime = Runtime(config, front, Tokens(tokenizer, front.info), metrics, tool_format)
         log.info("scheduler ready in %.1f s: %s", time.monotonic() - t0, front.info)

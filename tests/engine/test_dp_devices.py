@@ -19,7 +19,10 @@ from tandem.engine.runner.model_worker import OverlapWorker
 @pytest.fixture
 def four_gpus(monkeypatch) -> list[tuple[str, str]]:
     """torch.cuda with 4 visible devices; returns the (thread, device) of every set_device."""
+    from tandem.engine import device_map
+
     calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(device_map, "gpu_nodes_present", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device",
