@@ -4,6 +4,7 @@ normal request answers, no process died or restarted, and every KV pool is whole
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import statistics
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -101,12 +103,10 @@ def _garbage_to_bootstrap(port: int) -> None:
         ctx.term()
 
 
-@pytest.fixture(scope="module")
-def stack(model_path) -> Iterator[Stack]:
-    """One stack for both suites: each checks that nothing in it restarted while it ran. The
-    prefill holds each bootstrap attack sent straight at it until its wait for a decode ends:
-    8 s here, not the default 30."""
-    stack = Stack(model_path("tiny"), "--worker-args", f"{SMALL} --pd-bootstrap-timeout 8").wait_up()
+@contextlib.contextmanager
+def up(model: Path, *flags: str) -> Iterator[Stack]:
+    """A stack of its own for each suite: one's attacks never linger into the other's latencies."""
+    stack = Stack(model, *flags).wait_up()
     try:
         yield stack
     finally:
@@ -114,34 +114,37 @@ def stack(model_path) -> Iterator[Stack]:
     stack.assert_gone()
 
 
-def test_every_attack_is_a_4xx_and_the_stack_serves_on(stack: Stack) -> None:
-    state = stack.state()
-    pids = {name: info["pid"] for name, info in state.items()}
-    # Through the router and straight at each worker, at once: the prefill holds its bootstrap
-    # attacks until its wait for a decode runs out.
-    with ThreadPoolExecutor(3) as pool:
-        parts = pool.map(_send_all, [stack.url, state["prefill-0"]["url"], state["decode-0"]["url"]])
-        statuses = [s for part in parts for s in part]
-    prefill_argv = state["prefill-0"]["argv"]
-    _garbage_to_bootstrap(parse_worker_argv(prefill_argv[len(PROGRAM) + 1:]).bootstrap_port)
+def test_every_attack_is_a_4xx_and_the_stack_serves_on(model_path) -> None:
+    # The prefill holds each bootstrap attack sent straight at it until its wait for a decode
+    # ends: 8 s here, not the default 30.
+    with up(model_path("tiny"), "--worker-args", f"{SMALL} --pd-bootstrap-timeout 8") as stack:
+        state = stack.state()
+        pids = {name: info["pid"] for name, info in state.items()}
+        # Through the router and straight at each worker, at once: the prefill holds its bootstrap
+        # attacks until its wait for a decode runs out.
+        with ThreadPoolExecutor(3) as pool:
+            parts = pool.map(_send_all, [stack.url, state["prefill-0"]["url"], state["decode-0"]["url"]])
+            statuses = [s for part in parts for s in part]
+        prefill_argv = state["prefill-0"]["argv"]
+        _garbage_to_bootstrap(parse_worker_argv(prefill_argv[len(PROGRAM) + 1:]).bootstrap_port)
 
-    server_errors = [(what, code) for what, code in statuses if code >= 500]
-    assert not server_errors, server_errors
-    refused = [(what, code) for what, code in statuses if "(may be ignored)" not in what and code < 400]
-    assert not refused, refused
-    # Then a normal PD request (past the local-prefill threshold) and a stream answer.
-    client = stack.client()
-    done = client.completions.create(model="tiny", prompt="a normal request " * 12, max_tokens=6,
-                                     temperature=0, extra_body={"ignore_eos": True})
-    assert done.usage.completion_tokens == 6
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=4, stream=True))
-    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
-    assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()  # nothing restarted
-    assert "restarting" not in stack.output()
-    for info in stack.state().values():
-        assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
-    _pools_whole(stack)
+        server_errors = [(what, code) for what, code in statuses if code >= 500]
+        assert not server_errors, server_errors
+        refused = [(what, code) for what, code in statuses if "(may be ignored)" not in what and code < 400]
+        assert not refused, refused
+        # Then a normal PD request (past the local-prefill threshold) and a stream answer.
+        client = stack.client()
+        done = client.completions.create(model="tiny", prompt="a normal request " * 12, max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()  # nothing restarted
+        assert "restarting" not in stack.output()
+        for info in stack.state().values():
+            assert httpx.get(info["url"] + "/health", timeout=10).status_code == 200
+        _pools_whole(stack)
 
 
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
@@ -206,31 +209,32 @@ class Probe(threading.Thread):
             self.seen.append(self.once())
 
 
-def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(stack: Stack) -> None:
-    probe = Probe(stack.url)
-    try:
-        pids = {name: info["pid"] for name, info in stack.state().items()}
-        unloaded = statistics.median(probe.once() for _ in range(7))
-        probe.start()
-        results = []
-        for name, path, body, expect in STRUCTURED_ATTACKS:
-            r = httpx.post(stack.url + path, json=body, timeout=180)
-            results.append((name, r.status_code, r.text[:300]))
-            assert r.status_code < 500, (name, r.text[:500])
-            if expect is not None:
-                assert r.status_code == 200, (name, r.text[:500])
-                lines = [ln[5:] for ln in r.text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
-                payloads = [_strict(x) for x in lines] if body.get("stream") else [_strict(r.text)]
-                assert payloads, name
-        probe.stop.set()
-        probe.join()
-        assert len(probe.seen) >= 3, results
-        # Nobody waited: the neighbour's requests kept their unloaded latency (within 2x, plus a
-        # scheduling quantum the 2-core CI machine needs when an attack is being refused at the same time).
-        slowest = max(probe.seen)
-        assert slowest <= 2 * unloaded + 0.25, (unloaded, probe.seen, results)
-        assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()
-        assert "restarting" not in stack.output()
-        _pools_whole(stack)
-    finally:
-        probe.stop.set()
+def test_structured_attacks_are_4xx_or_answers_and_nobody_waits(model_path) -> None:
+    with up(model_path("tiny")) as stack:
+        probe = Probe(stack.url)
+        try:
+            pids = {name: info["pid"] for name, info in stack.state().items()}
+            unloaded = statistics.median(probe.once() for _ in range(7))
+            probe.start()
+            results = []
+            for name, path, body, expect in STRUCTURED_ATTACKS:
+                r = httpx.post(stack.url + path, json=body, timeout=180)
+                results.append((name, r.status_code, r.text[:300]))
+                assert r.status_code < 500, (name, r.text[:500])
+                if expect is not None:
+                    assert r.status_code == 200, (name, r.text[:500])
+                    lines = [ln[5:] for ln in r.text.splitlines() if ln.startswith("data:") and "[DONE]" not in ln]
+                    payloads = [_strict(x) for x in lines] if body.get("stream") else [_strict(r.text)]
+                    assert payloads, name
+            probe.stop.set()
+            probe.join()
+            assert len(probe.seen) >= 3, results
+            # Nobody waited: the neighbour's requests kept their unloaded latency (within 2x, plus a
+            # scheduling quantum the 2-core CI machine needs when an attack is being refused at the same time).
+            slowest = max(probe.seen)
+            assert slowest <= 2 * unloaded + 0.25, (unloaded, probe.seen, results)
+            assert {n: i["pid"] for n, i in stack.state().items()} == pids, stack.output()
+            assert "restarting" not in stack.output()
+            _pools_whole(stack)
+        finally:
+            probe.stop.set()
