@@ -241,12 +241,7 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
             w.wait_ready()
         yield workers
     finally:
-        stop_all(*workers)
-
-
-def stop_all(*workers: Worker) -> None:
-    """SIGTERM to every one first, then each waited for: their drains and exits overlap."""
-    for w in workers:
-        w.terminate()
-    for w in workers:
-        w.stop()
+        for w in workers:  # SIGTERM to every one first: their drains and exits overlap
+            w.terminate()
+        for w in workers:
+            w.stop()
