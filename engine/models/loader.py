@@ -103,7 +103,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     cls = MODEL_REGISTRY[cfg.architecture]
     with torch.device("meta"):
         model = cls(cfg, max_positions, tp)
-    model = model.to_empty(device="cpu")
+    _materialize(model)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     local = {e: i for i, e in enumerate(cfg.local_experts)}  # expert parallelism: the experts held here
@@ -151,6 +151,21 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_p
     model = model.to(device=device, dtype=dtype).eval()
     model.kv_scales = KVScales.from_checkpoint(kv_scales, cfg.num_layers)
     return model
+
+
+def _materialize(model: nn.Module) -> None:
+    """What `to_empty(device="cpu")` does, without passing the meta tensors through
+    `empty_like`: on the meta device that runs torch's Python refs, which import sympy, about
+    a second of every worker's start. A tensor shared between modules stays shared."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for slots, wrap in ((module._parameters, True), (module._buffers, False)):
+            for name, t in slots.items():
+                if t is not None and id(t) not in made:
+                    e = torch.empty(t.shape, dtype=t.dtype)
+                    made[id(t)] = nn.Parameter(e, requires_grad=t.requires_grad) if wrap else e
+                if t is not None:
+                    slots[name] = made[id(t)]
 
 
 def _scalar(key: str, tensor: Any) -> float:
