@@ -94,11 +94,15 @@ def tp_rendezvous(config: EngineConfig, dp_rank: int) -> str | None:
 
 
 class DataParallelController:
-    def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None],
+    def __init__(self, config: EngineConfig, model_path: str, emit: Callable[[list[Any]], None] | None = None,
                  attach: AttachRole | None = None, threads: int | None = None, ready_timeout: float = 600.0) -> None:
+        """Spawns the ranks. With `emit`, also waits for them and serves (serve()); without, returns
+        at once, and the caller calls serve() when it has done its own start-up meanwhile: the
+        server starts its ranks before it imports its web stack, so the two overlap."""
         check_devices(config)  # here, before any rank is spawned to find its GPU missing
         self.config = config
-        self.emit = emit
+        self.emit: Callable[[list[Any]], None] = lambda outs: None
+        self.info: dict[str, Any] = {}
         self.budget = DPBudget(config.dp_size)
         self.error: BaseException | None = None
         self._closed = False
@@ -128,11 +132,20 @@ class DataParallelController:
                 )
                 p.start()
                 self.procs.append(p)
-        self.info = self._wait_ready(ready_timeout)
         self._routes = {GenerateReq: self._send_generate, AbortReq: self._send_abort}
         self._stopping = threading.Event()
+        self._reader: threading.Thread | None = None
+        if emit is not None:
+            self.serve(emit, ready_timeout)
+
+    def serve(self, emit: Callable[[list[Any]], None], ready_timeout: float = 600.0) -> DataParallelController:
+        """Waits until every rank has its model loaded (raises if one fails or dies), then
+        delivers the ranks' outputs to `emit` from a reader thread."""
+        self.emit = emit
+        self.info = self._wait_ready(ready_timeout)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        return self
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         """Every rank's ready message (its model loaded); raises if one fails or dies."""
@@ -155,6 +168,7 @@ class DataParallelController:
         return infos[0]
 
     def _kill(self) -> None:
+        self._closed = True  # shutdown() after a failed start has nothing left to do
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -237,6 +251,9 @@ class DataParallelController:
                 self._push(rank, ShutdownReq())
             except RankUnreachable:  # already gone: nothing to stop
                 pass
+        if self._reader is None:  # never served: ranks still loading have nothing to drain
+            for p in self.procs:
+                p.terminate()
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
@@ -246,7 +263,8 @@ class DataParallelController:
                 p.kill()
                 p.join(timeout=5)
         self._stopping.set()
-        self._reader.join(timeout=5)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
         self.pull.close(linger=0)
         for s in self.pushes:
             s.close(linger=0)

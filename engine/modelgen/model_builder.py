@@ -40,6 +40,9 @@ from tandem.engine.modelgen.tokenizer_builder import (
     save_hf_tokenizer,
 )
 
+# The provenance a built model carries: its spec and builder version (random weights, made here).
+SPEC_FILE = "tandem_spec.json"
+
 if TYPE_CHECKING:
     import torch
 
@@ -136,7 +139,7 @@ def _write_model_dir(spec: ModelSpec, out_dir: Path, cache_dir: Path, device: to
     provenance: dict[str, Any] = {"recipe": recipe(), "spec": dataclasses.asdict(spec)}
     if where is not None:  # init=device weights are reproducible on this kind of device only
         provenance["init_device"] = where.type
-    (out_dir / "tandem_spec.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    (out_dir / SPEC_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:

@@ -62,7 +62,8 @@ def _show_model_log() -> None:
 
 
 def _config(args: argparse.Namespace) -> UpConfig:
-    from tandem.engine.modelgen.model_builder import tandem_home
+    from tandem.engine.device_map import gpu_nodes_present
+    from tandem.engine.modelgen.model_builder import SPEC_FILE, tandem_home
     from tandem.engine.modelgen.named_models import NAMED_MODELS, cached_named
     from tandem.engine.modelgen.resolve import resolve_model  # torch: only once we really start
 
@@ -75,16 +76,18 @@ def _config(args: argparse.Namespace) -> UpConfig:
     name = args.served_model_name or (Path(model).name if as_path.exists() else args.model)
     deterministic = args.deterministic
     if deterministic is None:  # the mode runs on CPU only (docs/engine.md)
-        import torch
+        deterministic = not gpu_nodes_present()  # no GPU driver here: no torch import to ask
+        if not deterministic:
+            import torch
 
-        deterministic = not torch.cuda.is_available()
+            deterministic = not torch.cuda.is_available()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tandem-up-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     return UpConfig(model=str(model), served_model_name=name, run_dir=run_dir, host=args.host, port=args.port,
                     prefill=args.prefill, decode=args.decode, colocated=args.colocated, dp=args.dp,
                     worker_args=tuple(shlex.split(args.worker_args)), router_args=tuple(shlex.split(args.router_args)),
                     cpus=() if args.no_pin else tuple(sorted(os.sched_getaffinity(0))),
-                    random_weights=(Path(model) / "tandem_spec.json").is_file(), deterministic=deterministic)
+                    random_weights=(Path(model) / SPEC_FILE).is_file(), deterministic=deterministic)
 
 
 def _shape(cfg: UpConfig) -> str:

@@ -17,53 +17,23 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tandem.server import admin_routes, chat_routes, generate_routes, openai_routes
+from tandem.server import admin_routes, chat_routes, generate_routes, openai_routes, schedulers
 from tandem.server.config import ServerConfig
 from tandem.server.front import Front
 from tandem.server.metrics import ServerMetrics
 from tandem.server.prefiller_header import PrefillerHeader
 from tandem.server.runtime import Runtime
 from tandem.server.start_failure import reporting_lifespan
+from tandem.server.tokenizer_load import load_tokenizer
 from tandem.server.tokens import Tokens
 from tandem.server.tools.registry import choose_format
 from tandem.web import errors
 from tandem.web.json_body import JsonBodies
 from tandem.web.security import Guard
-from tandem.worker_contract import COLOCATED, DECODE, PREFILL, WORKER_ROLES
+from tandem.worker_contract import DECODE
 
 log = logging.getLogger("tandem.server")
 SCHEDULER_DIED_EXIT = 70  # sysexits' EX_SOFTWARE
-
-
-def role_attach(role: str) -> Any:
-    """The PD role's part for the scheduler (engine/scheduler/role_part.py); None colocated.
-    Imported only for its role: a colocated worker never loads NIXL."""
-    if role == PREFILL:
-        from tandem.prefill.role import attach
-
-        return attach
-    if role == DECODE:
-        from tandem.decode.role import attach
-
-        return attach
-    if role != COLOCATED:
-        raise ValueError(f"role must be one of {WORKER_ROLES}, got {role!r}")
-    return None
-
-
-def scheduler_processes(config: ServerConfig) -> Callable[[Callable], Any]:
-    def build(emit: Callable) -> Any:
-        from tandem.engine.dp_controller import DataParallelController
-
-        return DataParallelController(config.engine, config.model_path, emit, attach=role_attach(config.role))
-
-    return build
-
-
-def _load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> FastAPI:
@@ -73,10 +43,10 @@ def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | 
         log.info("loading %s (%s role, dp_size %d)", config.model_path, config.role, config.engine.dp_size)
         metrics = ServerMetrics()
         # The tokenizer loads in a thread while the scheduler processes start: importing
-        # transformers (and torch under it) takes seconds, which they spend importing the same.
+        # transformers takes seconds, which they spend importing the same.
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
-            tokenizer_loaded = pool.submit(_load_tokenizer, config.model_path)
-            front = Front(client_factory or scheduler_processes(config), config.max_active, metrics.observe,
+            tokenizer_loaded = pool.submit(load_tokenizer, config.model_path)
+            front = Front(client_factory or schedulers.on_demand(config), config.max_active, metrics.observe,
                           on_down=lambda: _stop_serving(app))
             try:
                 tokenizer = tokenizer_loaded.result()

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import NoReturn
 
+from tandem.server import schedulers
 from tandem.server.config import add_server_arguments, config_from_args
 from tandem.server.start_failure import reported_start_failure
 
@@ -25,9 +26,14 @@ def _serve(args: argparse.Namespace) -> NoReturn:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with reported_start_failure():  # an operator pod's status shows why it cannot start
         config = config_from_args(args)
-    from tandem.server.process import run
+        # The ranks load the model while this process imports its web stack (schedulers.py).
+        ranks = schedulers.start(config)
+    try:
+        from tandem.server.process import run
 
-    code = run(config)
+        code = run(config, ranks.serve)
+    finally:
+        ranks.shutdown()  # done by the lifespan already, unless the app failed before it ran
     # Everything is stopped and joined by now; the interpreter's own teardown would still run
     # torch's ~130 operator-library finalizers (1.5-2 s), which every pod termination, restart
     # and rollout would wait on. Flush what is buffered and leave.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -51,8 +52,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run(config: ServerConfig) -> int:
-    app = build_app(config)
+def run(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> int:
+    """Serve until stopped; `client_factory` gives the app its scheduler client (default: ranks
+    spawned once the lifespan starts)."""
+    app = build_app(config, client_factory)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5, access_log=False,
                                            http=http_protocol()), app)
