@@ -75,7 +75,7 @@ STREAM_ROWS = 4  # up to this many rows a streamed matmul (stream_linear) beat o
 
 
 class PackedLinear(nn.Module):
-    """A bf16 nn.Linear whose weight is pre-reordered into oneDNN's blocked layout.
+    """A bf16 or fp32 nn.Linear whose weight is pre-reordered into oneDNN's blocked layout.
 
     CPU-only: torch's plain bf16 matmul re-lays-out the weight on every call; packing
     once at load time removes that (measured 1.2-1.7x on the small model's shapes).
@@ -107,11 +107,12 @@ class PackedLinear(nn.Module):
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's bf16 reorder raises on a CPU without AVX512 BW/VL/DQ or AVX-NE-CONVERT:
-    the CPU plan says whether this one has them."""
-    return (
-        device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-        and cpu_plan.current().pack_bf16_linears
-    )
+    the CPU plan says whether this one has them. fp32 packs on any CPU oneDNN runs on: torch's
+    plain fp32 linear ran at a quarter to an eighth of the packed GEMM's rate at 16-32 rows on
+    smollm2's shapes (docs/benchmarks.md, "fp32 linears")."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_plan.current().pack_bf16_linears)
 
 
 def can_stream(weight: torch.Tensor) -> bool:

@@ -78,8 +78,8 @@ class ModelRunner:
         self.model = load_model(mc, self.dtype, self.device, self.max_context_len, tp)
         self.stream_linears = False
         pack = config.cpu_packed_linear and can_pack_linears(self.device, self.dtype)
-        if config.deterministic:
-            make_batch_invariant(self.model, pack)
+        if config.deterministic:  # its fp32 blocks stay torch's matmuls, as they were measured
+            make_batch_invariant(self.model, pack and self.dtype == torch.bfloat16)
             if tp.size > 1:  # never the shared single-rank group
                 tp.ordered_sums = True
         elif pack:
