@@ -1,14 +1,19 @@
-"""A CPU bf16 decode step with the linears streamed for small batches (`cpu_stream_linears`,
-models/layers.py PackedLinear) against oneDNN's packed matmuls alone, same model, same run.
+"""A CPU decode step with the linears as the runner chooses them by default (oneDNN-packed, and
+streamed for small batches: `cpu_stream_linears`, models/layers.py PackedLinear) against a
+baseline form, same model, same run: oneDNN's packed matmuls alone (--baseline packed), or
+torch's plain linear, unpacked (--baseline unpacked).
 
     python bench/cpu_stream_linears.py --model smollm2 --batches 1,2,3,4,5,8 --rounds 5
+    python bench/cpu_stream_linears.py --model smollm2 --dtype float32 --baseline unpacked \
+        --batches 1,2,4,8,16,64 --rounds 5 --repeat 3
 
 A decode step of one request multiplies one row by every weight: the step is the time to read
 the weights. oneDNN's packed bf16 GEMM reads them at a third to a half of this machine's bandwidth
 at such sizes; the streamed form (kernels/cpu_kernels.stream_linear) at close to all of it. Rows
 above STREAM_ROWS use oneDNN either way, so those batches show the two equal. Each round times
---repeat steps of each variant, alternating; the ratio is off / on, the median over rounds.
-Output: a table and docs/results/cpu_stream_linears_<model>.json (--out to change).
+--repeat steps of each variant, alternating; the ratio is off / on (baseline / default), the
+median over rounds. Output: a table and docs/results/cpu_stream_linears_<model>[_<dtype>]
+[_vs_unpacked].json (--out to change).
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ from run_meta import run_meta  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def decode_step(path: str, batch: int, ctx: int, stream: bool):
+def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfloat16", packed: bool = True):
     """One decode step of `batch` requests with `ctx` tokens cached each, as a callable."""
     from tandem.engine.model_config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 
-    config = RunnerConfig(dtype="bfloat16", page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
-                          max_running_requests=batch, cpu_stream_linears=stream)
+    config = RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
+                          max_running_requests=batch, cpu_stream_linears=stream, cpu_packed_linear=packed)
     runner = ModelRunner.load(path, config)
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
@@ -48,6 +53,9 @@ def decode_step(path: str, batch: int, ctx: int, stream: bool):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--baseline", default="packed", choices=["packed", "unpacked"],
+                    help="off: oneDNN's packed matmuls alone, or torch's plain linear")
     ap.add_argument("--batches", default="1,2,3,4,5,8")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
@@ -62,8 +70,8 @@ def main() -> None:
     path = str(resolve_model(args.model))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        streamed, on = decode_step(path, batch, args.ctx, True)
-        _, off = decode_step(path, batch, args.ctx, False)
+        streamed, on = decode_step(path, batch, args.ctx, True, args.dtype)
+        _, off = decode_step(path, batch, args.ctx, False, args.dtype, packed=args.baseline == "packed")
         on(), off()  # warm-up: oneDNN builds its kernels for the shape
         on_ms, off_ms = [], []
         for _ in range(args.rounds):
@@ -74,9 +82,10 @@ def main() -> None:
                "off_over_on": round(statistics.median(f / o for f, o in zip(off_ms, on_ms)), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"model": args.model, "dtype": "bfloat16", "ctx": args.ctx, "threads": args.threads,
-              "stream_rows": STREAM_ROWS, "rows": rows, "meta": run_meta(torch.device("cpu"))}
-    out = Path(args.out) if args.out else ROOT / f"docs/results/cpu_stream_linears_{args.model}.json"
+    result = {"model": args.model, "dtype": args.dtype, "baseline": args.baseline, "ctx": args.ctx,
+              "threads": args.threads, "stream_rows": STREAM_ROWS, "rows": rows, "meta": run_meta(torch.device("cpu"))}
+    tag = ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("" if args.baseline == "packed" else "_vs_unpacked")
+    out = Path(args.out) if args.out else ROOT / f"docs/results/cpu_stream_linears_{args.model}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"-> {out}")
