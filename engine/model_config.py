@@ -201,8 +201,8 @@ class RunnerConfig:
     # FlashInfer layer ops. None: where Triton runs (CUDA).
     fused_rope_kv: bool | None = None
     disable_cuda_graph: bool = False
-    cpu_packed_linear: bool = True  # bf16 on CPU: oneDNN-packed weights (models/layers.py)
-    # Packed bf16 linears also keep their plain weight, streamed by the CPU kernel for decode steps of
+    cpu_packed_linear: bool = True  # bf16 and fp32 on CPU: oneDNN-packed weights (models/layers.py)
+    # Packed linears also keep their plain weight, streamed by the CPU kernel for decode steps of
     # one or two rows (layers.PackedLinear: 1.5-2x oneDNN there), at the cost of that second copy.
     # None: when the copy is at most STREAM_COPY_MAX_GIB.
     cpu_stream_linears: bool | None = None
