@@ -3,7 +3,7 @@ answer.
 
 AutoTokenizer picks the class from config.json's model type and the tokenizer config, and to
 read them imports transformers' config machinery, which imports torch: about 2.7 s of every
-worker's start on CPU (and ~300 MB of its front process), in a process that never runs a tensor
+worker's start on CPU (and ~190 MB of its front process), in a process that never runs a tensor
 op. The model directories tandem writes itself, the model builder's and the GGUF importer's
 (each marked by its provenance file), hold one `tokenizer.json` declared as
 `PreTrainedTokenizerFast`. For the model types in DIRECT_MODEL_TYPES AutoTokenizer keeps that
