@@ -109,7 +109,7 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's bf16 reorder raises on a CPU without AVX512 BW/VL/DQ or AVX-NE-CONVERT:
     the CPU plan says whether this one has them. fp32 packs on any CPU oneDNN runs on: torch's
     plain fp32 linear ran at a quarter to an eighth of the packed GEMM's rate at 16-32 rows on
-    smollm2's shapes (docs/benchmarks.md, "fp32 linears")."""
+    smollm2's shapes (docs/benchmarks.md, "fp32 on the AVX-512 Xeon, and fp32 linears")."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_plan.current().pack_bf16_linears)

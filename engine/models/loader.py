@@ -161,11 +161,12 @@ def _materialize(model: nn.Module) -> None:
     for module in model.modules():
         for slots, wrap in ((module._parameters, True), (module._buffers, False)):
             for name, t in slots.items():
-                if t is not None and id(t) not in made:
+                if t is None:
+                    continue
+                if id(t) not in made:
                     e = torch.empty(t.shape, dtype=t.dtype)
                     made[id(t)] = nn.Parameter(e, requires_grad=t.requires_grad) if wrap else e
-                if t is not None:
-                    slots[name] = made[id(t)]
+                slots[name] = made[id(t)]
 
 
 def _scalar(key: str, tensor: Any) -> float:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from fastapi import FastAPI
 
@@ -36,7 +35,7 @@ log = logging.getLogger("tandem.server")
 SCHEDULER_DIED_EXIT = 70  # sysexits' EX_SOFTWARE
 
 
-def build_app(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> FastAPI:
+def build_app(config: ServerConfig, client_factory: schedulers.ClientFactory | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         t0 = time.monotonic()

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
 
 from tandem.server.app import SCHEDULER_DIED_EXIT, build_app
 from tandem.server.config import ServerConfig
+from tandem.server.schedulers import ClientFactory
 from tandem.web import admin_listener
 from tandem.web.coalesced_http import http_protocol
 
@@ -52,7 +52,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run(config: ServerConfig, client_factory: Callable[[Callable], Any] | None = None) -> int:
+def run(config: ServerConfig, client_factory: ClientFactory | None = None) -> int:
     """Serve until stopped; `client_factory` gives the app its scheduler client (default: ranks
     spawned once the lifespan starts)."""
     app = build_app(config, client_factory)
