@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tandem.engine import heap
 from tandem.engine.device_map import bind_device, rank_device
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.scheduler.role_part import AttachRole
@@ -153,24 +154,6 @@ def release_memory(device: str) -> None:
             torch.cuda.empty_cache()
 
 
-def fix_malloc_mmap_threshold(threshold: int = 64 * 1024) -> None:
-    """glibc raises its mmap threshold each time a large block is freed, so a server whose
-    batch shapes keep changing ends up serving activations from a fragmented heap that never
-    shrinks: RSS crept up ~9% over a 5,000-request soak. A fixed threshold returns every
-    block above it to the OS on free; the soak is then flat after warm-up, at no measured
-    throughput cost (docs/serving.md). Skipped off glibc or when MALLOC_MMAP_THRESHOLD_ is set."""
-    import ctypes
-    import ctypes.util
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not ctypes.util.find_library("c"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def cpu_budget() -> int:
     """The cores this worker may use: OMP_NUM_THREADS when set, else the CPUs it is pinned to
     (`tandem up` pins each worker to its own cores; more threads than cores would make
@@ -194,7 +177,7 @@ def run_scheduler_process(config: EngineConfig, model_path: str, rank: int, in_a
     import torch
     import zmq
 
-    fix_malloc_mmap_threshold()
+    heap.tune()
     torch.set_num_threads(threads or max(1, cpu_budget() // (config.dp_size * config.tp_size)))
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from tandem.engine import heap
 from tandem.engine.engine_config import EngineConfig
 from tandem.engine.forward_batch import ForwardMode
 from tandem.engine.kvcache.disk_tier import disk_tier
@@ -278,9 +279,11 @@ class Scheduler:
             if self.part is not None:
                 self.part.on_batch_done(batch)
         self.output.flush()
+        heap.trim(min_interval=heap.TRIM_PERIOD)  # under load too: the idle hook may not come
 
     def self_check_during_idle(self) -> None:
-        """On entering idle: reset congestion control and check the pools, once."""
+        """On entering idle: reset congestion control, check the pools and give the heap's
+        free pages back (heap.py), once."""
         if not self.idle() or self.idle_checked:
             return
         self.idle_checked = True
@@ -291,6 +294,7 @@ class Scheduler:
         self.life.check_integrity()
         if self.part is not None:
             self.part.check_integrity()
+        heap.trim()
 
     def cache_changed(self) -> None:
         self.idle_checked = False  # check the pools again at the next idle
