@@ -60,6 +60,14 @@ def test_free_and_double_free() -> None:
         a.free(s)
 
 
+def test_integrity_finds_a_page_on_the_free_list_twice() -> None:
+    a = PageAllocator(num_pages=8, page_size=4, device="cpu")
+    a.check_integrity(in_use_pages=0)
+    a._free_pages = torch.cat([a._free_pages[:-1], a._free_pages[:1]])  # page 1 twice, the count unchanged
+    with pytest.raises(AssertionError, match="twice"):
+        a.check_integrity()
+
+
 def test_free_group_batches_frees() -> None:
     a = PageAllocator(num_pages=16, page_size=2, device="cpu")
     parts = [a.alloc(3), a.alloc(4), a.alloc(1)]
