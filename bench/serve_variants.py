@@ -45,20 +45,6 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
     return name, env, flags.split()
 
 
-def wait_ready(w: Worker, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if w.proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {w.log.name}")
-        try:
-            if httpx.get(w.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not ready; see {w.log.name}")
-
-
 def timed(url: str, prompt: list[int], max_tokens: int) -> float:
     t = time.perf_counter()
     r = httpx.post(url + "/v1/completions", timeout=600, json={
@@ -96,7 +82,7 @@ def main() -> None:
             servers[name] = stack.enter_context(Worker(
                 ["serve", "--model", model, "--served-model-name", "m", "--dtype", args.dtype, *flags], env=env))
         for w in servers.values():
-            wait_ready(w)
+            w.wait_ready(timeout=600)
 
         def on(name: str, fn, *a):  # the others frozen, so none takes CPU from this one
             with ExitStack() as frozen:
