@@ -4,18 +4,18 @@ megabytes that change shape every step.
 glibc serves a block above its mmap threshold from a fresh mmap and unmaps it on free, so each
 such tensor is page-faulted in (and zeroed by the kernel) on its first touch, every time. A
 forward allocates one or more outputs per op: with smollm2 at 35-256 prompt tokens, a
-64 KiB threshold made `tandem serve`'s prefill 1.44x slower than this tuning on a 2-core VM,
-where a fault costs microseconds. glibc's own dynamic threshold only rises after a block of
-each size has been freed once, so new shapes pay again (1.19x slower), and it fragmented the
-heap under a long mixed load.
+64 KiB threshold made `tandem serve`'s prefill 1.24-1.44x slower than this tuning on a 2-core
+VM, where a fault costs microseconds (docs/benchmarks.md, "The scheduler's heap"). glibc's own
+dynamic threshold only rises after a block of each size has been freed once, so new shapes pay
+again (1.19x slower), and it fragmented the heap under a long mixed load.
 
 `tune()` fixes the mmap threshold at glibc's maximum (32 MiB: a 2,048-token chunk's
 activations of a small model stay on the heap) and raises the trim threshold so a free at the
 heap's top does not hand pages back that the next step faults in again. What the heap then
 holds beyond its live blocks goes back to the OS when the scheduler goes idle, and at most
 every TRIM_PERIOD seconds under load (`trim`, from the scheduler): a load that never pauses
-would otherwise keep what fragmentation strands. MALLOC_MMAP_THRESHOLD_ in the environment (glibc's own tunable)
-means the operator chose: nothing is changed. Off glibc both are no-ops.
+would otherwise keep what fragmentation strands. MALLOC_MMAP_THRESHOLD_ in the environment
+(glibc's own tunable) means the operator chose: nothing is changed. Off glibc both are no-ops.
 """
 
 from __future__ import annotations
