@@ -11,7 +11,7 @@ the ';', extra `tandem serve` flags after. The first variant is the base; each r
 prompt length, and the result is per variant the median over requests of base / variant
 (above 1: the variant is faster). Prefill: a random prompt (token ids) of each `--lengths` (no prefix
 reuse), max_tokens 1, non-streamed. Decode: `--decode-tokens` more tokens after a 100-token
-prompt, per token, the prefill of the same prompt subtracted. Results go to
+prompt, per token, the prefill of another prompt of that length subtracted. Results go to
 docs/results/serve_variants_<name>.json.
 """
 
@@ -103,8 +103,10 @@ def main() -> None:
                 ms = {name: on(name, timed, p, 1) * 1e3 for name in order}
                 rows.append({"case": f"prefill {n}", "round": r, "ms": ms})
                 print(json.dumps(rows[-1] | {"ms": {k: round(v) for k, v in ms.items()}}), flush=True)
-            p = prompt(100)
-            ms = {name: (on(name, timed, p, args.decode_tokens + 1) - on(name, timed, p, 1)) * 1e3
+            # Two prompts of one length: the same one again would hit the prefix cache, and the
+            # subtracted prefill would be near zero.
+            p, q = prompt(100), prompt(100)
+            ms = {name: (on(name, timed, p, args.decode_tokens + 1) - on(name, timed, q, 1)) * 1e3
                   / args.decode_tokens for name in order}
             rows.append({"case": "decode ms/token", "round": r, "ms": ms})
             print(json.dumps(rows[-1] | {"ms": {k: round(v, 1) for k, v in ms.items()}}), flush=True)
