@@ -1,11 +1,15 @@
 """A CPU decode step with the linears as the runner chooses them by default (oneDNN-packed, and
-streamed for small batches: `cpu_stream_linears`, models/layers.py PackedLinear) against a
-baseline form, same model, same run: oneDNN's packed matmuls alone (--baseline packed), or
-torch's plain linear, unpacked (--baseline unpacked).
+a second form of each weight for small batches: `cpu_stream_linears`, models/layers.py
+PackedLinear) against a baseline form, same model, same run: oneDNN's packed matmuls alone
+(--baseline packed), torch's plain linear, unpacked (--baseline unpacked), or, for fp32, the
+form before the panels (--baseline streamed: the plain weight streamed for up to STREAM_ROWS
+rows, oneDNN above).
 
     python bench/cpu_stream_linears.py --model smollm2 --batches 1,2,3,4,5,8 --rounds 5
     python bench/cpu_stream_linears.py --model smollm2 --dtype float32 --baseline unpacked \
         --batches 1,2,4,8,16,64 --rounds 5 --repeat 3
+    python bench/cpu_stream_linears.py --model smollm2 --dtype float32 --baseline streamed \
+        --batches 1,2,4,8,16,32,64,128,192,256 --rounds 5 --repeat 3
 
 A decode step of one request multiplies one row by every weight: the step is the time to read
 the weights. oneDNN's packed bf16 GEMM reads them at a third to a half of this machine's bandwidth
@@ -33,7 +37,19 @@ from run_meta import run_meta  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfloat16", packed: bool = True):
+def as_before_panels(model: torch.nn.Module) -> None:
+    """fp32 packed linears as they ran before the panel kernel: the plain weight (unpacked from the
+    panels) streamed for up to STREAM_ROWS rows."""
+    from tandem.engine.models.layers import STREAM_ROWS, PackedLinear
+
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m.panels:
+            plain = m.small.transpose(1, 2).reshape(-1, m.in_features)[:m.out_features].contiguous()
+            m.small, m.panels, m.small_rows = plain, False, STREAM_ROWS
+
+
+def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfloat16", packed: bool = True,
+                before_panels: bool = False):
     """One decode step of `batch` requests with `ctx` tokens cached each, as a callable."""
     from tandem.engine.model_config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
@@ -42,6 +58,8 @@ def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfl
     config = RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
                           max_running_requests=batch, cpu_stream_linears=stream, cpu_packed_linear=packed)
     runner = ModelRunner.load(path, config)
+    if before_panels:
+        as_before_panels(runner.model)
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
     seqs = sb.new(batch)
@@ -54,8 +72,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--baseline", default="packed", choices=["packed", "unpacked"],
-                    help="off: oneDNN's packed matmuls alone, or torch's plain linear")
+    ap.add_argument("--baseline", default="packed", choices=["packed", "unpacked", "streamed"],
+                    help="off: oneDNN's packed matmuls alone, torch's plain linear, or fp32 before the panels")
     ap.add_argument("--batches", default="1,2,3,4,5,8")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
@@ -65,26 +83,31 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tandem.engine.modelgen.resolve import resolve_model
-    from tandem.engine.models.layers import STREAM_ROWS
+    from tandem.engine.models.layers import STREAM_ROWS, panel_rows
 
     path = str(resolve_model(args.model))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         streamed, on = decode_step(path, batch, args.ctx, True, args.dtype)
-        _, off = decode_step(path, batch, args.ctx, False, args.dtype, packed=args.baseline == "packed")
+        streamed_off = args.baseline == "streamed"
+        _, off = decode_step(path, batch, args.ctx, streamed_off, args.dtype, packed=args.baseline != "unpacked",
+                             before_panels=streamed_off)
         on(), off()  # warm-up: oneDNN builds its kernels for the shape
         on_ms, off_ms = [], []
         for _ in range(args.rounds):
             on_ms.append(median_ms(on, args.repeat))
             off_ms.append(median_ms(off, args.repeat))
-        row = {"batch": batch, "streamed": streamed and batch <= STREAM_ROWS,
+        small_rows = panel_rows() if args.dtype == "float32" else STREAM_ROWS
+        row = {"batch": batch, "small_rows_form": streamed and batch <= small_rows,
                "on_ms": round(statistics.median(on_ms), 3), "off_ms": round(statistics.median(off_ms), 3),
                "off_over_on": round(statistics.median(f / o for f, o in zip(off_ms, on_ms)), 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"model": args.model, "dtype": args.dtype, "baseline": args.baseline, "ctx": args.ctx,
-              "threads": args.threads, "stream_rows": STREAM_ROWS, "rows": rows, "meta": run_meta(torch.device("cpu"))}
-    tag = ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("" if args.baseline == "packed" else "_vs_unpacked")
+              "threads": args.threads, "stream_rows": STREAM_ROWS, "panel_rows": panel_rows(), "rows": rows,
+              "meta": run_meta(torch.device("cpu"))}
+    tag = ("" if args.dtype == "bfloat16" else f"_{args.dtype}")
+    tag += "" if args.baseline == "packed" else f"_vs_{args.baseline}"
     out = Path(args.out) if args.out else ROOT / f"docs/results/cpu_stream_linears_{args.model}{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -73,8 +73,9 @@ class EngineConfig:
     layer_ops: str = "auto"  # norms, RoPE, SiLU*mul: auto | torch | cpu-kernels | flashinfer (models/layer_ops.py)
     decode_tensor_cores: bool | None = None  # FlashInfer decode kernel; None: by heads per KV head
     decode_split_kv: bool | None = None  # FlashInfer's split-KV decode; None: off once the batch fills the GPU
-    # CPU bf16: decode steps of up to 4 rows stream a plain copy of each linear's weight (models/layers.py);
-    # None: where the copies come to at most 2 GiB.
+    # CPU: calls of few rows run each linear from a second copy of its weight through the CPU kernels
+    # (models/layers.py: bf16 up to 4 rows, fp32 up to 64 in panels); None: where the copies come to
+    # at most 2 GiB.
     cpu_stream_linears: bool | None = None
     fused_rope_kv: bool | None = None  # RoPE + K/V store in one Triton launch; None: on CUDA
     disable_cuda_graph: bool = False

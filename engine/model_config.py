@@ -202,8 +202,9 @@ class RunnerConfig:
     fused_rope_kv: bool | None = None
     disable_cuda_graph: bool = False
     cpu_packed_linear: bool = True  # bf16 and fp32 on CPU: oneDNN-packed weights (models/layers.py)
-    # Packed linears also keep their plain weight, streamed by the CPU kernel for decode steps of
-    # one or two rows (layers.PackedLinear: 1.5-2x oneDNN there), at the cost of that second copy.
+    # Packed linears also keep a second form of their weight for calls of few rows, run by the CPU
+    # kernels (layers.PackedLinear): bf16 streams the plain weight for up to 4 rows (1.5-2x oneDNN
+    # there), fp32 its panels for up to 64 (1.05-1.35x the step). The price is that second copy.
     # None: when the copy is at most STREAM_COPY_MAX_GIB.
     cpu_stream_linears: bool | None = None
     # A request's tokens do not depend on its batch, its cache hits or its chunks (docs/engine.md,

@@ -5,6 +5,7 @@
     csrc/layer_ops_cpu.cpp        norm, SiLU*mul, RoPE, KV   --(cpu_build.py, one .so per level)-->
     csrc/sampling_cpu.cpp         seeded sampling, argmax   /      torch.ops.tandem_cpu_<level>.*
     csrc/expert_gemm_cpu.cpp      MoE experts at decode    /
+    csrc/panel_linear_cpu.cpp     fp32 linears, few rows  /
     csrc/vec16.h                  their 16-lane vector layer (AVX-512, AVX2 or plain lanes)
 
 Which build runs, and which ops use it, is cpu_plan.current()'s decision for this CPU.
@@ -236,6 +237,27 @@ def stream_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         offsets = _ONE_EXPERT.setdefault(m, torch.tensor([m], dtype=torch.int32))
     out = expert_gemm(x, w.unsqueeze(0), offsets)
     return out if bias is None else out.add_(bias)
+
+
+PANEL = 32  # output features per panel (csrc/panel_linear_cpu.cpp)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K) fp32 as panel_linear reads it: (ceil(N / 32), K, 32), panel p holding output features
+    [32p, 32p + 32) with their 32 weights of each input feature side by side, zeros past N."""
+    n, k = w.shape
+    pad = -n % PANEL
+    padded = torch.nn.functional.pad(w.detach(), (0, 0, 0, pad)) if pad else w.detach()
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) in fp32 for x (M, K) with contiguous rows, w given as pack_panels(w) of its
+    `n` output features. At up to a hundred-odd rows it runs at 1.1-1.7x oneDNN's packed fp32 GEMM
+    with the weights cold, as a decode step has them (docs/benchmarks.md, "fp32 linears in panels")."""
+    out = torch.empty((x.shape[0], n), dtype=torch.float32)
+    _ops().panel_linear(out, x, panels, bias)
+    return out
 
 
 _EMPTY = torch.empty(0)

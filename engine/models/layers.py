@@ -71,7 +71,15 @@ def bucketed(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(torch.nn.functional.pad(x, (0, 0, 0, m - n)))[:n]
 
 
-STREAM_ROWS = 4  # up to this many rows a streamed matmul (stream_linear) beat oneDNN's (smollm2 decode steps)
+STREAM_ROWS = 4  # bf16: up to this many rows a streamed matmul (stream_linear) beat oneDNN's (smollm2 decode steps)
+# fp32, AVX-512 kernels: up to this many rows panel_linear beat oneDNN (smollm2 steps: 1.15x at 64, 0.96x at 128)
+PANEL_ROWS = 64
+PANEL_ROWS_AVX2 = 8  # fp32, AVX2 kernels (half-panel blocks of 6 rows): 1.26x at 8, 0.83x at 32 (forced AVX2)
+
+
+def panel_rows() -> int:
+    """Rows up to which an fp32 linear runs on its panels, for the kernel level active now."""
+    return PANEL_ROWS if cpu_kernels.active_level() in ("avx512", "avx512_bf16", "amx") else PANEL_ROWS_AVX2
 
 
 class PackedLinear(nn.Module):
@@ -81,28 +89,45 @@ class PackedLinear(nn.Module):
     once at load time removes that (measured 1.2-1.7x on the small model's shapes).
     Rows are padded to buckets so oneDNN reuses its compiled kernels (row_bucket).
 
-    With `plain` (the weight as stored, row-major) a call of at most STREAM_ROWS rows, a decode
-    step of one or two requests, streams it through the CPU kernel instead: bound by the read
-    bandwidth, 1.5-2x oneDNN's small-M GEMM, which no packing serves (docs/benchmarks.md, "Small
-    decode batches on CPU"). The price is that second copy of the weight."""
+    With `small` (small_rows_form: a second form of the weight) a call of few rows, a decode step
+    or a short prefill, runs through a CPU kernel instead, which keeps the memory streaming where
+    oneDNN's small-M GEMM leaves it idle: bf16 streams the weight as stored for at most STREAM_ROWS
+    rows (1.5-2x oneDNN there), fp32 its panels for at most panel_rows() (1.04-1.35x the decode
+    step with the AVX-512 kernels; docs/benchmarks.md,
+    "Small decode batches on CPU" and "fp32 linears in panels"). The price is that second copy."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64,
-                 plain: torch.Tensor | None = None, owns_plain: bool = True) -> None:
+                 small: torch.Tensor | None = None, owns_small: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint))
         self.bias = bias
-        if plain is not None and owns_plain:  # a buffer: the runner counts it in the weights' bytes
-            self.register_buffer("plain_copy", plain, persistent=False)
-        self.plain = plain  # not owned: another module's (a tied head's is the embedding), counted there
+        if small is not None and owns_small:  # a buffer: the runner counts it in the weights' bytes
+            self.register_buffer("small_copy", small, persistent=False)
+        self.small = small  # not owned: another module's (a tied bf16 head's is the embedding), counted there
+        self.panels = small is not None and small.dim() == 3
+        self.small_rows = 0 if small is None else panel_rows() if self.panels else STREAM_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] <= STREAM_ROWS:
-            return cpu_kernels.stream_linear(x.contiguous(), self.plain, self.bias)
+        if x.shape[0] <= self.small_rows:
+            if self.panels:
+                return cpu_kernels.panel_linear(x.contiguous(), self.small, self.out_features, self.bias)
+            return cpu_kernels.stream_linear(x.contiguous(), self.small, self.bias)
         return bucketed(self._mm, x)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def small_rows_form(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's second form for calls of few rows (PackedLinear), where the CPU kernels take it:
+    fp32 in panels (cpu_kernels.pack_panels, a copy), bf16 as stored (stream_linear reads 16 input
+    features at a time: the weight itself, no copy)."""
+    if not cpu_kernels.enabled("stream_linears"):
+        return None
+    if weight.dtype == torch.float32:
+        return cpu_kernels.pack_panels(weight)
+    return weight.detach() if weight.shape[1] % 16 == 0 else None
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -115,21 +140,16 @@ def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_plan.current().pack_bf16_linears)
 
 
-def can_stream(weight: torch.Tensor) -> bool:
-    """Whether stream_linear takes this weight: the kernel reads 16 input features at a time."""
-    return weight.shape[1] % 16 == 0 and cpu_kernels.enabled("stream_linears")
-
-
 def pack_linears(model: nn.Module, stream: bool = False) -> int:
     """Replace every nn.Linear (not embeddings / tied heads) by a PackedLinear; with `stream`,
-    each keeps its plain weight too, for calls of a row or two (PackedLinear)."""
+    each keeps a second form of its weight for calls of few rows (PackedLinear, small_rows_form)."""
     # The LM head is the model's to pack (pack_lm_head): it may be tied to the embedding.
     targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
-        plain = mod.weight.detach() if stream and can_stream(mod.weight) else None
+        small = small_rows_form(mod.weight) if stream else None
         setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-                PackedLinear(mod.weight, mod.bias, plain=plain))
+                PackedLinear(mod.weight, mod.bias, small=small))
     pack_head = getattr(model, "pack_lm_head", None)
     if pack_head is not None:
         pack_head(stream)

@@ -38,8 +38,8 @@ from tandem.engine.models.layers import (
     PackedLinear,
     RMSNorm,
     bucketed,
-    can_stream,
     row_bucket,
+    small_rows_form,
 )
 from tandem.engine.models.moe import SparseMoE
 from tandem.engine.models.rotary import RotaryEmbedding
@@ -148,12 +148,13 @@ class LlamaForCausalLM(nn.Module):
     def pack_lm_head(self, stream: bool = False) -> None:
         """CPU bf16: the LM head through a oneDNN-packed weight (2x the plain matmul at
         decode batch 64). Tied, that is a copy beside the embedding; untied, it replaces it.
-        With `stream`, a row or two stream the plain weight (layers.PackedLinear): tied, the
-        embedding's, no copy."""
+        With `stream`, few rows take the weight's small-rows form (layers.PackedLinear): tied and
+        bf16, that is the embedding itself, no copy; fp32 panels are a copy either way."""
         weight = self.lm_head.weight
         tied = self.lm_head is self.embed_tokens
-        plain = weight.detach() if stream and can_stream(weight) else None
-        self.packed_head = PackedLinear(weight, plain=plain, owns_plain=not tied)
+        small = small_rows_form(weight) if stream else None
+        shared = small is not None and small.data_ptr() == weight.data_ptr()
+        self.packed_head = PackedLinear(weight, small=small, owns_small=not (tied and shared))
         if not tied:
             self.lm_head = self.packed_head
 

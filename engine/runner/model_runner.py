@@ -90,13 +90,16 @@ class ModelRunner:
         self.layer_ops_name = ops.name
 
     def _stream_linears(self) -> bool:
-        """Whether packed linears keep a plain copy for one- and two-row calls (RunnerConfig)."""
+        """Whether packed linears keep a second form of their weight for calls of few rows
+        (layers.small_rows_form; RunnerConfig.cpu_stream_linears)."""
         if not cpu_kernels.enabled("stream_linears"):
             return False
         if self.config.cpu_stream_linears is not None:
             return self.config.cpu_stream_linears
-        copy = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                   if type(m) is torch.nn.Linear)
+        linears = [m.weight for m in self.model.modules() if type(m) is torch.nn.Linear]
+        if self.dtype == torch.float32 and self.model_config.tie_word_embeddings:
+            linears.append(self.model.embed_tokens.weight)  # fp32 panels of a tied head are a copy too
+        copy = sum(w.numel() * w.element_size() for w in linears)
         return copy <= STREAM_COPY_MAX_GIB * 2**30
 
     def _check_deterministic(self) -> None:
@@ -195,7 +198,7 @@ class ModelRunner:
             "model runner: %s %s on %s, KV pool %d tokens (page %d), backend %s, layer ops %s%s",
             mc.architecture, self.dtype, self.device, self.kv_pool.capacity_tokens,
             self.page_size, type(self.attn_backend).__name__, self.layer_ops_name,
-            ", small batches stream the linears" if self.stream_linears else "",
+            ", small batches stream the linears (fp32 in panels)" if self.stream_linears else "",
         )
 
     @torch.inference_mode()
