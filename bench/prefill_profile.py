@@ -28,7 +28,7 @@ from run_meta import run_meta
 
 KINDS = [  # first match wins; patterns over kernel (CUDA) or operator (CPU) names
     ("attention", r"flashinfer::Batch|Prefill|Decode|MergeStates|flash|fmha|attention|sdpa|paged"),
-    ("matmul", r"gemm|nvjet|cutlass|xmma|sm90_|ampere|cublas|aten::(mm|addmm|linear|matmul|bmm)|mkldnn"),
+    ("matmul", r"gemm|panel_linear|nvjet|cutlass|xmma|sm90_|ampere|cublas|aten::(mm|addmm|linear|matmul|bmm)|mkldnn"),
     ("norm/rope/act", r"norm|rope|Rotary|silu|act_and_mul|rsqrt|Mean|pow|layer_ops|rms"),
     ("sampling", r"argmax|softmax|topk|sort|gumbel|sampl|exponential"),
     ("copy/index", r"copy|Copy|index|Index|gather|scatter|cat|Cat|embedding|fill|to_copy|clone"),

@@ -1,5 +1,5 @@
 // fp32 linears at decode and small-prefill sizes (loaded by engine/kernels/cpu_kernels.py, used by
-// engine/models/small_rows.py):
+// engine/models/layers.py, PackedLinear):
 //
 //   panel_linear(out, x, panels, bias):   out = x @ W.T (+ bias)
 //
@@ -7,12 +7,13 @@
 // features [32p, 32p + 32), its 32 weights for input feature k contiguous (zeros past N); out (M, N).
 //
 // Why a kernel: at these sizes every weight is cold (a step reads all of them once, more bytes than
-// the last-level cache holds), and oneDNN's packed fp32 GEMM fetches them in bursts that leave the
-// memory idle between: 50-90 GFLOPS at 64 rows against 160-220 with the same weights warm. Here a
-// thread owns whole panels. For each, blocks of up to kRows rows of x are multiplied against it with
-// the accumulators in registers: the first block pulls the panel from memory, the others find it
-// in L2. Meanwhile the *next* panel is prefetched, spread evenly over every block's k loop, so the
-// memory streams at a steady rate all the time instead of only during the first block.
+// the last-level cache holds), and oneDNN's packed fp32 GEMM reads them in bursts that leave the
+// memory idle in between (a whole decode step at 8-32 rows ran 1.3x faster here, at 64 rows 1.15x:
+// docs/benchmarks.md, "fp32 linears in panels"). Here a thread owns whole panels. For each, blocks
+// of up to kRows rows of x are multiplied against it with the accumulators in registers: the first
+// block pulls the panel from memory, the others find it in L2. Meanwhile the *next* panel is
+// prefetched, spread evenly over every block's k loop, so the memory streams at a steady rate all
+// the time instead of only during the first block.
 //
 // Each output is one fp32 FMA chain over k in order, whatever M and the row blocking are: a row's
 // result does not depend on the other rows of its call.
