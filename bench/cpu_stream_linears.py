@@ -46,11 +46,13 @@ def as_before_panels(model: torch.nn.Module) -> None:
         if isinstance(m, PackedLinear) and m.panels:
             plain = m.small.transpose(1, 2).reshape(-1, m.in_features)[:m.out_features].contiguous()
             m.small, m.panels, m.small_rows = plain, False, STREAM_ROWS
+    model.fused_decode = None  # its layers read the panels (models/fused_decode.py)
 
 
-def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfloat16", packed: bool = True,
-                before_panels: bool = False):
-    """One decode step of `batch` requests with `ctx` tokens cached each, as a callable."""
+def decode_step(path: str, batch: int, ctx: int, stream: bool | None, dtype: str = "bfloat16", packed: bool = True,
+                before_panels: bool = False, runner_box: list | None = None):
+    """One decode step of `batch` requests with `ctx` tokens cached each, as a callable (the runner
+    appended to `runner_box` when given)."""
     from tandem.engine.model_config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
@@ -60,6 +62,8 @@ def decode_step(path: str, batch: int, ctx: int, stream: bool, dtype: str = "bfl
     runner = ModelRunner.load(path, config)
     if before_panels:
         as_before_panels(runner.model)
+    if runner_box is not None:
+        runner_box.append(runner)
     sb = StaticBatch(runner)
     g = torch.Generator().manual_seed(0)
     seqs = sb.new(batch)

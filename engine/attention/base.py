@@ -16,6 +16,10 @@ Contract (tests/engine/test_attention_contract.py runs it against every backend)
   that fuses RoPE with the store (kvcache/rope_kv_triton.py); the model then passes
   `kv_stored=True`, and forward reads k/v (already in the pool) without storing
   them again. None (the default): forward stores them.
+- `paged_decode(batch)` may instead hand a DECODE batch's whole paged attention (the K/V
+  store included) to a layer op that runs it in the same kernels the backend would
+  (models/fused_decode.py); the model then skips `forward` for that batch. None (the default):
+  the model calls `forward` as usual.
 - Shapes: q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads,
   head_dim); output (num_tokens, num_heads * head_dim) in q's dtype.
 - EXTEND and MIXED batches go to `forward_extend`, DECODE to `forward_decode`.
@@ -32,7 +36,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tandem.engine.forward_batch import ForwardBatch, ForwardMode
-from tandem.engine.kvcache.kv_slots import KVSlots
+from tandem.engine.kvcache.kv_slots import KVSlots, PagedDecode
 
 
 class AttentionBackend(ABC):
@@ -58,6 +62,10 @@ class AttentionBackend(ABC):
 
     def kv_slots(self, layer: int, batch: ForwardBatch) -> KVSlots | None:
         """Where a fused RoPE + store may write this layer's k and v, or None: forward stores them."""
+        return None
+
+    def paged_decode(self, batch: ForwardBatch) -> PagedDecode | None:
+        """A decode batch's paged attention for a layer op that runs it itself, or None."""
         return None
 
     def forward(

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import AttentionBackend
-from tandem.engine.forward_batch import ForwardBatch
+from tandem.engine.forward_batch import ForwardBatch, ForwardMode
 from tandem.engine.kernels import cpu_kernels
+from tandem.engine.kvcache.kv_slots import PagedDecode
 
 
 @dataclass
@@ -78,6 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.deterministic = bool(getattr(ctx.config, "deterministic", False))
         if self.deterministic:
             self.use_extend_kernel, self.use_decode_kernel, self.use_amx = True, False, False
+        self._layer_buffers: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.ctx.req_to_token_pool.req_to_token
@@ -119,6 +121,21 @@ class TorchAttentionBackend(AttentionBackend):
             meta.decode_index = torch.where(valid, index, 0)  # pad -> reserved page 0
             meta.decode_mask = valid[:, None, None, :]
         batch.attn_metadata = meta
+
+    def paged_decode(self, batch: ForwardBatch) -> PagedDecode | None:
+        """The decode kernel's arguments, for a decoder layer run in one call (models/fused_decode.py),
+        when this batch would run that kernel: a decode batch (not deterministic) over an unscaled pool."""
+        meta: _Metadata | None = batch.attn_metadata
+        if batch.mode != ForwardMode.DECODE or meta is None or meta.decode_rows is None:
+            return None
+        pool = self.ctx.kv_pool
+        if not pool.scales.unit:
+            return None
+        if self._layer_buffers is None:  # views of the pool's one buffer, fixed for its life
+            layers = range(pool.num_layers)
+            self._layer_buffers = (tuple(pool.k_buffer(i) for i in layers), tuple(pool.v_buffer(i) for i in layers))
+        return PagedDecode(*self._layer_buffers, self.ctx.req_to_token_pool.req_to_token, meta.decode_rows,
+                           meta.decode_seq_lens, batch.out_cache_loc, self.ctx.scaling)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

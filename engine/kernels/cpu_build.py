@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "extend_attention_cpu.cpp", "layer_ops_cpu.cpp", "sampling_cpu.cpp",
-           "expert_gemm_cpu.cpp", "panel_linear_cpu.cpp")
+           "expert_gemm_cpu.cpp", "panel_linear_cpu.cpp", "decode_layer_cpu.cpp")
 _HEADERS = tuple(sorted(p.name for p in CSRC.glob("*.h")))  # all of them feed the build key
 _LEVEL_FLAGS = {
     "generic": ["-march=x86-64", "-mtune=generic"],
@@ -52,7 +52,8 @@ _LEVEL_FLAGS = {
 # one loaded, which would run one level's instructions inside another.
 _COMMON = ["-O3", "-fopenmp", "-DNDEBUG", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
 REGISTERED_OPS = ("paged_decode_attention", "paged_extend_attention", "rope_qk", "store_kv", "rms_norm",
-                  "fused_add_rms_norm", "silu_and_mul", "gumbel_argmax", "greedy_argmax", "expert_gemm", "panel_linear")
+                  "fused_add_rms_norm", "silu_and_mul", "gumbel_argmax", "greedy_argmax", "expert_gemm", "panel_linear",
+                  "decode_layer")
 
 _lock = threading.Lock()
 BUILT = "built"  # written once the library is whole

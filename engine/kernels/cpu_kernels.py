@@ -6,6 +6,7 @@
     csrc/sampling_cpu.cpp         seeded sampling, argmax   /      torch.ops.tandem_cpu_<level>.*
     csrc/expert_gemm_cpu.cpp      MoE experts at decode    /
     csrc/panel_linear_cpu.cpp     fp32 linears, few rows  /
+    csrc/decode_layer_cpu.cpp     a decoder layer of a decode step, in one call (the above, called directly)
     csrc/vec16.h                  their 16-lane vector layer (AVX-512, AVX2 or plain lanes)
 
 Which build runs, and which ops use it, is cpu_plan.current()'s decision for this CPU.
@@ -262,6 +263,23 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 
 
 _EMPTY = torch.empty(0)
+
+
+def decode_layer(
+    x: torch.Tensor, residual: torch.Tensor, first: bool, weights: list[torch.Tensor], qkv_bias: torch.Tensor | None,
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    loc: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+    num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+) -> torch.Tensor:
+    """One fp32 decoder layer of a decode step (csrc/decode_layer_cpu.cpp): the layer's norms, panel
+    linears, RoPE, KV store and paged decode attention, the same kernels in the same order as its
+    modules call them. x (tokens, hidden) and residual (its shape) are updated in place (first: the
+    residual is set from x); weights = [ln1, ln2, qkv, o, gate_up, down, q_norm, k_norm], the
+    linears as pack_panels, q_norm/k_norm empty without qk-norm. Returns the layer's output."""
+    return _ops().decode_layer(
+        x, residual, first, weights, qkv_bias, positions, cos, sin, k_buffer, v_buffer, loc, req_to_token, rows,
+        seq_lens, num_q_heads, num_kv_heads, head_dim, eps, scale,
+    )
 
 
 def rope_qk(

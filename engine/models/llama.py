@@ -31,6 +31,7 @@ from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.forward_batch import ForwardBatch
 from tandem.engine.kvcache.kv_scales import KVScales
 from tandem.engine.model_config import ModelConfig
+from tandem.engine.models.fused_decode import FusedDecode
 from tandem.engine.models.layer_ops import TORCH, Heads, LayerOps, RopeBatch
 from tandem.engine.models.layers import (
     STREAM_ROWS,
@@ -144,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         self.packed_head: PackedLinear | None = None
+        self.fused_decode: FusedDecode | None = None  # set by use_layer_ops where the CPU kernel runs whole layers
 
     def pack_lm_head(self, stream: bool = False) -> None:
         """CPU bf16: the LM head through a oneDNN-packed weight (2x the plain matmul at
@@ -164,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, (RMSNorm, GatedMLP, SparseMoE, Attention)):
                 mod.ops = ops
         self.ops = ops
+        self.fused_decode = FusedDecode.build(self)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Logits (fp32) of the last new token of every request: (batch, vocab)."""
@@ -180,9 +183,15 @@ class LlamaForCausalLM(nn.Module):
             ids = F.pad(ids, (0, row_bucket(ids.shape[0]) - ids.shape[0]))
         x = self.embed(ids)
         rope = self.ops.rope_batch(self.rope, batch.positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, backend, batch)
+        paged = None
+        if self.fused_decode is not None and ids.shape[0] <= self.fused_decode.max_rows:
+            paged = backend.paged_decode(batch)
+        if paged is not None:  # a CPU decode step: each layer in one kernel call (fused_decode.py)
+            x, residual = self.fused_decode(x, rope, batch, paged)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope, backend, batch)
         # Only the last token of each request is sampled, so norm + lm_head run on those rows.
         idx = batch.logits_indices
         x, _ = self.norm.add_forward(x[idx], residual[idx])

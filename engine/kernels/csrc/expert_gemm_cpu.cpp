@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "entry_points.h"
 #include "vec16.h"
 
 namespace {
@@ -80,6 +81,10 @@ void expert_gemm_impl(const at::Tensor& out, const at::Tensor& x, const at::Tens
   });
 }
 
+}  // namespace
+
+namespace tandem_entry {
+
 void expert_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
   TORCH_CHECK(out.device().is_cpu() && x.device().is_cpu() && w.device().is_cpu() && offsets.device().is_cpu(),
               "expert_gemm is CPU-only");
@@ -98,8 +103,8 @@ void expert_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   by_dtype(x, "expert_gemm", [&](auto tag) { expert_gemm_impl<decltype(tag)>(out, x, w, off); });
 }
 
-}  // namespace
+}  // namespace tandem_entry
 
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) { m.def("expert_gemm(Tensor(a!) out, Tensor x, Tensor w, Tensor offsets) -> ()"); }
 
-TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("expert_gemm", &expert_gemm); }
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("expert_gemm", &tandem_entry::expert_gemm); }

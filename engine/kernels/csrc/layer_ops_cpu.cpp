@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "dispatch.h"
+#include "entry_points.h"
 #include "vec16.h"
 
 namespace {
@@ -149,6 +150,10 @@ void check_weight(const at::Tensor& w, const at::Tensor& like, int64_t dim) {
               "norm weight must be contiguous, of the activation dtype, with ", dim, " elements");
 }
 
+}  // namespace
+
+namespace tandem_entry {
+
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, x.size(1), "x");
   check_rows(out, x.size(1), "out");
@@ -232,7 +237,7 @@ void store_kv(const at::Tensor& k_buffer, const at::Tensor& v_buffer, const at::
   });
 }
 
-}  // namespace
+}  // namespace tandem_entry
 
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
@@ -245,9 +250,9 @@ TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) {
 }
 
 TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rope_qk", &rope_qk);
-  m.impl("store_kv", &store_kv);
+  m.impl("rms_norm", &tandem_entry::rms_norm);
+  m.impl("fused_add_rms_norm", &tandem_entry::fused_add_rms_norm);
+  m.impl("silu_and_mul", &tandem_entry::silu_and_mul);
+  m.impl("rope_qk", &tandem_entry::rope_qk);
+  m.impl("store_kv", &tandem_entry::store_kv);
 }

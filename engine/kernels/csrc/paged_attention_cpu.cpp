@@ -41,6 +41,7 @@
 #endif
 
 #include "dispatch.h"
+#include "entry_points.h"
 #include "paged_args.h"
 #include "run_dynamic.h"
 #include "vec16.h"
@@ -209,6 +210,10 @@ void run(const Problem& P) {
   }
 }
 
+}  // namespace
+
+namespace tandem_entry {
+
 void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& req_to_token,
                             const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, double scale,
@@ -260,7 +265,7 @@ void paged_decode_attention(const at::Tensor& out, const at::Tensor& q, const at
   });
 }
 
-}  // namespace
+}  // namespace tandem_entry
 
 TANDEM_LIBRARY(TANDEM_OPS, m) {
   m.def(
@@ -268,4 +273,4 @@ TANDEM_LIBRARY(TANDEM_OPS, m) {
       "Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, float scale, int num_splits) -> ()");
 }
 
-TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("paged_decode_attention", &tandem_entry::paged_decode_attention); }

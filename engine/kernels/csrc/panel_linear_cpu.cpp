@@ -28,6 +28,7 @@
 #include <optional>
 #include <utility>
 
+#include "entry_points.h"
 #include "vec16.h"
 
 namespace {
@@ -84,6 +85,10 @@ constexpr auto block_table(std::integer_sequence<int, R...>) {
 }
 constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kRows>{});
 
+}  // namespace
+
+namespace tandem_entry {
+
 void panel_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(out.device().is_cpu() && x.device().is_cpu() && panels.device().is_cpu(), "panel_linear is CPU-only");
@@ -131,8 +136,8 @@ void panel_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   });
 }
 
-}  // namespace
+}  // namespace tandem_entry
 
 TANDEM_LIBRARY_FRAGMENT(TANDEM_OPS, m) { m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()"); }
 
-TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TANDEM_LIBRARY_IMPL(TANDEM_OPS, CPU, m) { m.impl("panel_linear", &tandem_entry::panel_linear); }
