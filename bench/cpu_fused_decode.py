@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_stream_linears import decode_step  # noqa: E402
+from cpu_stream_linears import add_step_args, decode_step  # noqa: E402
 from forward import median_ms  # noqa: E402
 from run_meta import run_meta  # noqa: E402
 
@@ -41,12 +41,7 @@ def _through_modules(model: torch.nn.Module, fused: object, step):  # type: igno
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--ctx", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None)
+    add_step_args(ap, batches="1,4,16,64", ctx=200, rounds=7, repeat=5)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tandem.engine.modelgen.resolve import resolve_model
@@ -55,7 +50,8 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         runner_box: list = []
-        _, step = decode_step(path, batch, args.ctx, None, "float32", runner_box=runner_box)
+        _, step = decode_step(path, batch, args.ctx, None, "float32", runner_box=runner_box,
+                              steps=2 * args.rounds * args.repeat + 2)
         model = runner_box[0].model
         fused = model.fused_decode
         if fused is None or batch > fused.max_rows:

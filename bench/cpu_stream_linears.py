@@ -50,14 +50,14 @@ def as_before_panels(model: torch.nn.Module) -> None:
 
 
 def decode_step(path: str, batch: int, ctx: int, stream: bool | None, dtype: str = "bfloat16", packed: bool = True,
-                before_panels: bool = False, runner_box: list | None = None):
-    """One decode step of `batch` requests with `ctx` tokens cached each, as a callable (the runner
-    appended to `runner_box` when given)."""
+                before_panels: bool = False, runner_box: list | None = None, steps: int = 64):
+    """One decode step of `batch` requests with `ctx` tokens cached each, as a callable good for
+    `steps` calls (the runner appended to `runner_box` when given)."""
     from tandem.engine.model_config import RunnerConfig
     from tandem.engine.runner.model_runner import ModelRunner
     from tandem.engine.runner.static_generate import StaticBatch
 
-    config = RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + 64) + 64,
+    config = RunnerConfig(dtype=dtype, page_size=16, max_total_tokens=batch * (ctx + steps) + 64,
                           max_running_requests=batch, cpu_stream_linears=stream, cpu_packed_linear=packed)
     runner = ModelRunner.load(path, config)
     if before_panels:
@@ -71,6 +71,16 @@ def decode_step(path: str, batch: int, ctx: int, stream: bool | None, dtype: str
     return runner.stream_linears, lambda: sb.forward(seqs, [[7]] * batch)
 
 
+def add_step_args(ap: argparse.ArgumentParser, *, batches: str, ctx: int, rounds: int, repeat: int) -> None:
+    """The decode-step benchmarks' shared options (this file and cpu_fused_decode.py)."""
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--ctx", type=int, default=ctx)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,12 +88,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--baseline", default="packed", choices=["packed", "unpacked", "streamed"],
                     help="off: oneDNN's packed matmuls alone, torch's plain linear, or fp32 before the panels")
-    ap.add_argument("--batches", default="1,2,3,4,5,8")
-    ap.add_argument("--ctx", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None)
+    add_step_args(ap, batches="1,2,3,4,5,8", ctx=256, rounds=5, repeat=10)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tandem.engine.modelgen.resolve import resolve_model

@@ -2,15 +2,17 @@
 
 The layer's modules (llama.py) call the same CPU kernels one by one from Python: the norms, the
 small-rows linears (fp32 panels, bf16 streamed), RoPE, the K/V store and the paged decode
-attention, with views and splits in between. At decode batch 1 on smollm2 those ~20 Python-level ops per layer cost 5-8 ms of a 43 ms
-step. `decode_layer` runs the same kernels in the same order on the same tensors, so a step is the
-same bits either way (tests/engine/test_fused_decode.py), minus the dispatch.
+attention, with module calls, views and splits in between: ~20 Python-level ops a layer.
+`decode_layer` runs the same kernels in the same order on the same tensors, so a step is the
+same bits either way (tests/engine/test_fused_decode.py), without them: the smollm2 fp32 step
+ran 1.41x faster at batch 1, 1.10x at 64 (docs/benchmarks.md, "One call per decoder layer").
 
 It takes over a forward only where that holds:
 - at load (`FusedDecode.build`): fp32 or bf16, the cpu-kernels layer ops, dense MLPs, one rank,
   and every linear of the layers with its small-rows form (PackedLinear: `cpu_stream_linears`);
 - per step: a decode batch within that form's row limit (fp32 64 with the AVX-512 kernels and 8
-  with AVX2, bf16 4), whose attention the backend hands over (`AttentionBackend.paged_decode`: the torch backend's decode kernel over an unscaled pool).
+  with AVX2, bf16 4), whose attention the backend hands over (`AttentionBackend.paged_decode`:
+  the torch backend's decode kernel over an unscaled pool).
 Everything else runs the modules.
 """
 
@@ -45,8 +47,9 @@ class FusedDecode:
     def build(cls, model: torch.nn.Module) -> FusedDecode | None:
         """For a llama.LlamaForCausalLM whose layers the kernel can run whole, else None."""
         cfg = model.cfg
-        if (model.ops.name != "cpu-kernels" or model.tp.size != 1
-                or model.embed_tokens.weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.available()):
+        dtype = model.embed_tokens.weight.dtype
+        if (model.ops.name != "cpu-kernels" or model.tp.size != 1 or dtype not in (torch.float32, torch.bfloat16)
+                or not cpu_kernels.available()):
             return None
         layers, rows = [], []
         for layer in model.layers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from smoke import full_only
 
 from tandem.engine.kvcache.disk_tier import DiskTier
 
@@ -146,6 +147,7 @@ def test_a_restarted_worker_warms_from_disk_and_skips_a_corrupt_page(engine, tmp
     assert sum(cached) > 0  # a cold worker, and still prompts hit: from the disk
 
 
+@full_only("the single-rank disk tier cases; tests/engine/test_host_tier_engine.py keeps TP ranks' tiers in step")
 def test_tensor_parallel_ranks_load_alike_when_one_rank_loses_a_page(engine, tmp_path: Path) -> None:
     """At TP 2 each rank keeps its own files (its KV heads); a page damaged on rank 1's disk only
     is loaded by neither rank (they agree on the smallest run their disks hold: the batch digest

@@ -113,3 +113,19 @@ def test_the_layer_kernel_refuses_mismatched_arguments(model_path, case: str) ->
         cpu_kernels.decode_layer(x, residual, False, weights, bias, pos, runner.model.rope.cos, runner.model.rope.sin,
                                  pool.k_buffer(0), pool.v_buffer(0), loc, runner.req_to_token_pool.req_to_token, rows,
                                  lens, hq, hkv, dim, 1e-6, 0.125)
+
+
+def test_the_benchmark_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench/cpu_fused_decode.py in its smallest form: a row per batch, with the ratio or the reason it skipped."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "cpu_fused_decode.py"
+    out = tmp_path / "fused.json"
+    subprocess.run([sys.executable, str(script), "--model", "tiny", "--batches", "1,2", "--rounds", "1",
+                    "--repeat", "1", "--out", str(out)], check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    if cpu_kernels.enabled("stream_linears") and cpu_kernels.enabled("layer_ops"):
+        assert [r["batch"] for r in rows] == [1, 2] and all(r["modules_over_one_call"] > 0 for r in rows)

@@ -83,7 +83,7 @@ def test_the_schema_bound_is_the_longest_answers_length() -> None:
 
 # No shrinking: each example runs five engines, and a failure prints its schemas whole.
 @pytest.mark.slow
-@settings(max_examples=sized(5, 12), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+@settings(max_examples=sized(3, 12), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schemas=st.lists(TOP, min_size=1, max_size=5), temperature=st.sampled_from([0.0, 0.8]))
 def test_generated_schemas_always_validate_and_match_across_modes(engines: Any, schemas: list[dict[str, Any]],
@@ -104,7 +104,7 @@ def test_generated_schemas_always_validate_and_match_across_modes(engines: Any, 
 # Data parallel: each request goes to one of two scheduler processes, which compiles its own
 # grammar; a request's tokens depend on its seed, never on its rank or its batch.
 @pytest.mark.slow
-@settings(max_examples=sized(2, 4), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+@settings(max_examples=sized(1, 4), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schemas=st.lists(TOP, min_size=2, max_size=4))
 def test_data_parallel_ranks_give_the_single_scheduler_tokens(engines: Any, schemas: list[dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from smoke import full_only
 
 from tandem.engine.model_config import ModelConfig, RunnerConfig
 from tandem.engine.models.loader import load_model
@@ -140,7 +141,8 @@ def _logits(path: Path, size: int) -> torch.Tensor:
                 p.kill()
 
 
-@pytest.mark.parametrize("preset,tp", [("tiny", 2), ("tiny", 4), ("tiny-llama-d256", 2)])
+@pytest.mark.parametrize("preset,tp", [("tiny", 2), pytest.param("tiny", 4, marks=full_only("tiny at tp=2")),
+                                       pytest.param("tiny-llama-d256", 2, marks=full_only("tiny at tp=2"))])
 def test_tp_logits_match_one_rank(model_path, preset: str, tp: int) -> None:
     """tiny at TP=4 replicates its 2 KV heads; tiny-llama-d256 splits 2 KV heads under 16 q heads."""
     one = _logits(model_path(preset), 1)
@@ -169,7 +171,12 @@ def tp1_tokens(model_path) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# The smoke form keeps the two modes that cover the others' paths: overlap with pages and chunks,
+# and the normal loop with lpm and retraction.
+_SMOKE_MODES = "overlap-paged-chunked, normal-lpm-retract"
+
+
+@pytest.mark.parametrize("mode", [m if "-" in m else pytest.param(m, marks=full_only(_SMOKE_MODES)) for m in MODES])
 def test_tp2_engine_gives_tp1_tokens(engine, tp1_tokens, mode: str) -> None:
     """Twice the prompts: the second copy hits the radix cache that the first filled."""
     eng = engine("tiny", tp_size=2, debug_tp_digest=True, **{"max_total_tokens": 4096, **MODES[mode]})

@@ -10,11 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from smoke import full_only
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kv_transfer.py"
 
 
-@pytest.mark.parametrize("extra", [[], ["--decode-heads", "0:2"], ["--decode-heads", "0:2", "--staged"],
+_SLICES = full_only("staged-into-wider")
+
+
+@pytest.mark.parametrize("extra", [[], pytest.param(["--decode-heads", "0:2"], marks=_SLICES),
+                                   pytest.param(["--decode-heads", "0:2", "--staged"], marks=_SLICES),
                                    ["--prefill-heads", "2:4", "--staged"]],
                          ids=["whole-pages", "head-slices", "staged-slices", "staged-into-wider"])
 def test_kv_transfer_bench_smoke(extra: list[str], tmp_path: Path) -> None:

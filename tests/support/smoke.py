@@ -18,3 +18,11 @@ def full() -> bool:
 def sized(smoke: int, whole: int) -> int:
     """`whole` under --full, `smoke` otherwise."""
     return whole if full() else smoke
+
+
+def full_only(covered_by: str):  # -> pytest.MarkDecorator
+    """A case CI leaves to --full: a sibling case of the smoke form runs the same code path
+    (`covered_by` names it), so only the extra combination waits for the whole run."""
+    import pytest
+
+    return pytest.mark.skipif(not full(), reason=f"--full only; the smoke form covers it: {covered_by}")
