@@ -79,7 +79,11 @@ class TorchAttentionBackend(AttentionBackend):
         self.deterministic = bool(getattr(ctx.config, "deterministic", False))
         if self.deterministic:
             self.use_extend_kernel, self.use_decode_kernel, self.use_amx = True, False, False
-        self._layer_buffers: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+        # The decode kernel's per-layer K/V views, for a decoder layer that runs it itself (paged_decode):
+        # views of the pool's one buffer, fixed for its life.
+        layers = range(ctx.kv_pool.num_layers) if self.use_decode_kernel else range(0)
+        self._k_layers = tuple(ctx.kv_pool.k_buffer(i) for i in layers)
+        self._v_layers = tuple(ctx.kv_pool.v_buffer(i) for i in layers)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.ctx.req_to_token_pool.req_to_token
@@ -124,18 +128,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def paged_decode(self, batch: ForwardBatch) -> PagedDecode | None:
         """The decode kernel's arguments, for a decoder layer run in one call (models/fused_decode.py),
-        when this batch would run that kernel: a decode batch (not deterministic) over an unscaled pool."""
+        when this batch would run that kernel: a decode batch, not deterministic, over an fp32 or bf16
+        pool (an fp8 one, with its scales, never takes the kernel: `supports`)."""
         meta: _Metadata | None = batch.attn_metadata
         if batch.mode != ForwardMode.DECODE or meta is None or meta.decode_rows is None:
             return None
-        pool = self.ctx.kv_pool
-        if not pool.scales.unit:
-            return None
-        if self._layer_buffers is None:  # views of the pool's one buffer, fixed for its life
-            layers = range(pool.num_layers)
-            self._layer_buffers = (tuple(pool.k_buffer(i) for i in layers), tuple(pool.v_buffer(i) for i in layers))
-        return PagedDecode(*self._layer_buffers, self.ctx.req_to_token_pool.req_to_token, meta.decode_rows,
-                           meta.decode_seq_lens, batch.out_cache_loc, self.ctx.scaling)
+        return PagedDecode(self._k_layers, self._v_layers, self.ctx.req_to_token_pool.req_to_token,
+                           meta.decode_rows, meta.decode_seq_lens, batch.out_cache_loc, self.ctx.scaling)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch

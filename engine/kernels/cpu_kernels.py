@@ -271,11 +271,12 @@ def decode_layer(
     loc: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
     num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
 ) -> torch.Tensor:
-    """One fp32 decoder layer of a decode step (csrc/decode_layer_cpu.cpp): the layer's norms, panel
+    """One decoder layer of a decode step (csrc/decode_layer_cpu.cpp): the layer's norms, small-rows
     linears, RoPE, KV store and paged decode attention, the same kernels in the same order as its
     modules call them. x (tokens, hidden) and residual (its shape) are updated in place (first: the
     residual is set from x); weights = [ln1, ln2, qkv, o, gate_up, down, q_norm, k_norm], the
-    linears as pack_panels, q_norm/k_norm empty without qk-norm. Returns the layer's output."""
+    linears in their small-rows form (fp32 pack_panels, or a bf16 weight as stored), q_norm/k_norm
+    empty without qk-norm. Returns the layer's output."""
     return _ops().decode_layer(
         x, residual, first, weights, qkv_bias, positions, cos, sin, k_buffer, v_buffer, loc, req_to_token, rows,
         seq_lens, num_q_heads, num_kv_heads, head_dim, eps, scale,

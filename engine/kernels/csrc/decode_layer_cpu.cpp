@@ -24,6 +24,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include "ops_library.h"
 
 #include <cstdint>
@@ -37,9 +38,8 @@ namespace {
 void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   if (w.dim() == 3) return tandem_entry::panel_linear(out, x, w, bias);
   TORCH_CHECK(w.dim() == 2, "decode_layer: a linear's weight is fp32 panels or a plain (N, K) weight");
-  at::Tensor one_expert = at::empty({1}, at::TensorOptions().dtype(at::kInt));
-  one_expert.data_ptr<int32_t>()[0] = static_cast<int32_t>(x.size(0));
-  tandem_entry::expert_gemm(out, x, w.unsqueeze(0), one_expert);
+  int32_t rows = static_cast<int32_t>(x.size(0));  // one expert owning every row
+  tandem_entry::expert_gemm(out, x, w.unsqueeze(0), at::from_blob(&rows, {1}, at::TensorOptions().dtype(at::kInt)));
   if (bias.has_value() && bias->defined()) out.add_(*bias);
 }
 
